@@ -1,0 +1,169 @@
+"""flash_attention: validation, defaults, backend choice and the custom_vjp wiring.
+
+Data flow: validate once (ValueError naming the argument) -> fold the options into one hashable
+`AttentionSpec` -> pick the backend -> call a custom_vjp function whose forward returns
+(O, lse) and saves (q, k, v, O, lse) plus the integer segment ids, nothing else. This module
+never knows how a kernel tiles its work.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.ad_checkpoint import checkpoint_name
+
+from pallas_flash import validation
+from pallas_flash.config import FlashConfig, default_config
+from pallas_flash.masking import CausalAlignment, fold_lengths, make_mask_spec
+from pallas_flash.spec import AttentionSpec
+from pallas_flash.triton import backward as triton_backward
+from pallas_flash.triton import forward as triton_forward
+
+__all__ = ["flash_attention", "OUT_NAME", "LSE_NAME"]
+
+# Names for jax.checkpoint policies, e.g. save_only_these_names(OUT_NAME, LSE_NAME): with both
+# saved, rematerialisation never re-runs the forward kernel.
+OUT_NAME = "pallas_flash_out"
+LSE_NAME = "pallas_flash_lse"
+
+_BACKENDS = ("auto", "triton")
+_PRECISIONS = {
+    None: lax.Precision.DEFAULT,
+    "default": lax.Precision.DEFAULT,
+    "high": lax.Precision.HIGH,
+    "highest": lax.Precision.HIGHEST,
+    lax.Precision.DEFAULT: lax.Precision.DEFAULT,
+    lax.Precision.HIGH: lax.Precision.HIGH,
+    lax.Precision.HIGHEST: lax.Precision.HIGHEST,
+}
+
+
+def flash_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    causal: bool = False,
+    scale: float | None = None,
+    return_lse: bool = False,
+    causal_alignment: CausalAlignment = "top_left",
+    window: tuple[int | None, int | None] | None = None,
+    softcap: float | None = None,
+    q_segment_ids: jax.Array | None = None,
+    kv_segment_ids: jax.Array | None = None,
+    q_lengths: jax.Array | None = None,
+    kv_lengths: jax.Array | None = None,
+    precision: Any = None,
+    config: FlashConfig | None = None,
+    backend: str = "auto",
+    interpret: bool | None = None,
+):
+    """Memory-efficient exact attention, softmax(scale * q k^T) v, with O(seq) memory.
+
+    Args:
+      q: [batch, seq_q, q_heads, head_dim] queries (bfloat16, float16, float32; float64 in
+        interpret mode only).
+      k, v: [batch, seq_kv, kv_heads, head_dim], same dtype; q_heads must be a multiple of
+        kv_heads (GQA; kv_heads = 1 is MQA). K/V are shared in place, never repeated.
+      causal: query i sees only keys j <= i (top-left alignment, as in
+        `jax.nn.dot_product_attention`), or j <= i + seq_kv - seq_q with
+        ``causal_alignment="bottom_right"`` (the last query sees every key: decoding, chunked
+        prefill).
+      scale: logit multiplier; default 1/sqrt(head_dim).
+      return_lse: also return lse [batch, q_heads, seq_q], float32, the natural-log logsumexp of
+        each row's scaled (and soft-capped) logits. Both outputs are differentiable.
+      causal_alignment: "top_left" (default) or "bottom_right"; also anchors `window`.
+      window: (left, right): query i sees keys in [i - left, i + right] (shifted by the
+        alignment); None on a side means unbounded. Combined with causal, right is clamped to 0.
+      softcap: logits become softcap * tanh(logits / softcap) (Gemma 2).
+      q_segment_ids, kv_segment_ids: int [batch, seq_q] / [batch, seq_kv]; a query sees only
+        keys with its id (packed documents). Ids 2**31 - 2 and 2**31 - 1 are reserved.
+      q_lengths, kv_lengths: int [batch] valid lengths; padded rows give 0 output and 0
+        gradient, padded keys are never seen.
+      precision: matmul precision for float32 inputs: None/"default" lets the GPU use tf32 (as
+        XLA does), "highest" asks for full float32.
+      config: a `FlashConfig` of tiles; default chosen by head_dim and dtype.
+      backend: "auto" or "triton".
+      interpret: run in Pallas interpret mode; default: True exactly when JAX has no GPU.
+
+    Returns:
+      out [batch, seq_q, q_heads, head_dim] in q's dtype, or (out, lse) with return_lse. A row
+      that sees no key gives out = 0 and lse = -inf, and zero gradients.
+    """
+    opts = validation.validate(
+        q, k, v, causal=causal, scale=scale, causal_alignment=causal_alignment, window=window,
+        softcap=softcap, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
+        q_lengths=q_lengths, kv_lengths=kv_lengths,
+    )
+    if not isinstance(return_lse, (bool,)):
+        raise ValueError(f"return_lse must be a bool, got {return_lse!r}")
+    try:
+        precision = _PRECISIONS[precision.lower() if isinstance(precision, str) else precision]
+    except (KeyError, TypeError):
+        raise ValueError(
+            f"precision must be None, 'default', 'high', 'highest' or a jax.lax.Precision, "
+            f"got {precision!r}"
+        ) from None
+    if config is None:
+        config = default_config(q.shape[-1], q.dtype)
+    elif not isinstance(config, FlashConfig):
+        raise ValueError(f"config must be a pallas_flash.FlashConfig, got {type(config).__name__}")
+    if backend not in _BACKENDS:
+        raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
+    if interpret is None:
+        interpret = jax.default_backend() != "gpu"
+    elif not isinstance(interpret, bool):
+        raise ValueError(f"interpret must be None or a bool, got {interpret!r}")
+    if q.dtype == jnp.float64 and not interpret:
+        raise ValueError(
+            "q, k, v of dtype float64 run in interpret mode only (interpret=True); the GPU "
+            "kernels take bfloat16, float16 and float32"
+        )
+
+    batch, seq_q = q.shape[:2]
+    seq_kv = k.shape[1]
+    has_segments = q_segment_ids is not None or q_lengths is not None or kv_lengths is not None
+    spec = AttentionSpec(
+        mask=make_mask_spec(seq_q, seq_kv, causal=bool(causal), causal_alignment=causal_alignment,
+                            window=opts.window),
+        scale=opts.scale,
+        softcap=opts.softcap,
+        has_segments=has_segments,
+        precision=precision,
+        config=config,
+        interpret=interpret,
+    )
+    q_ids = kv_ids = None
+    if has_segments:
+        q_ids, kv_ids = fold_lengths(q_segment_ids, kv_segment_ids, q_lengths, kv_lengths,
+                                     batch=batch, seq_q=seq_q, seq_kv=seq_kv)
+    out, lse = _custom_vjp_attention(spec)(q, k, v, q_ids, kv_ids)
+    return (out, lse) if return_lse else out
+
+
+@functools.lru_cache(maxsize=None)
+def _custom_vjp_attention(spec: AttentionSpec):
+    """One custom_vjp function per static spec: the spec is closed over, never an argument."""
+
+    @jax.custom_vjp
+    def attention(q, k, v, q_ids, kv_ids):
+        return triton_forward.forward(spec, q, k, v, q_ids, kv_ids)
+
+    def attention_fwd(q, k, v, q_ids, kv_ids):
+        out, lse = triton_forward.forward(spec, q, k, v, q_ids, kv_ids)
+        out = checkpoint_name(out, OUT_NAME)
+        lse = checkpoint_name(lse, LSE_NAME)
+        return (out, lse), (q, k, v, out, lse, q_ids, kv_ids)
+
+    def attention_bwd(residuals, cotangents):
+        q, k, v, out, lse, q_ids, kv_ids = residuals
+        d_out, d_lse = cotangents
+        dq, dk, dv = triton_backward.backward(spec, q, k, v, out, lse, d_out, d_lse, q_ids, kv_ids)
+        return dq, dk, dv, None, None
+
+    attention.defvjp(attention_fwd, attention_bwd)
+    return attention

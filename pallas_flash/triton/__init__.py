@@ -1,0 +1,1 @@
+"""Kernels lowered through Pallas Triton: forward.py and backward.py."""

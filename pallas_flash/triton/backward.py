@@ -1,0 +1,216 @@
+"""Backward kernels, lowered through Pallas Triton, FlashAttention-2 style, without atomics.
+
+Both kernels recompute P = 2^(S - lse) tile by tile from Q, K and the saved logsumexp; nothing of
+size seq_q x seq_kv ever exists. With dS = P * (dP - D), dP = dO V^T and D = rowsum(dO * O) - dlse
+(the lse cotangent enters here: d lse_i / d S_ij = P_ij):
+
+* dK/dV kernel. Grid (key blocks, batch, kv_heads). Each program owns block_kv keys of one kv
+  head, and loops over the `group` q heads that share it (GQA/MQA) and, inside, over the query
+  blocks that may see these keys:  dV += P^T dO,  dK += dS^T Q * scale.
+  Summing the group inside one program is what makes dK/dV deterministic with no atomics.
+* dQ kernel. Grid (query blocks, batch, q_heads), looping over key blocks:  dQ += dS K * scale.
+
+Softcap: S = c * tanh(S_raw / c), so dS_raw = dS * (1 - tanh^2).
+Rows that saw no key (lse = -inf) are read as lse = +inf, which turns their P into exactly 0;
+rows past the end of the sequence are read the same way, so neither needs a mask.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_flash.masking import segment_block_ranges
+from pallas_flash.spec import AttentionSpec
+from pallas_flash.triton import common
+
+__all__ = ["backward"]
+
+
+def _load_lse2(ref, start, block, n_rows):
+    """Base-2 lse of a query block; -inf (saw nothing) and rows past the end become +inf."""
+    lse = common.load_vector(ref, start, block, n_rows, other=jnp.inf)
+    return jnp.where(lse == -jnp.inf, jnp.inf, lse) * common.LOG2E
+
+
+def _probabilities_and_ds(spec, q, k, v, do, lse2, delta, vis):
+    """P and dS (w.r.t. the raw scaled logits) of one tile."""
+    s2, t = common.scores(spec, q, k)
+    if vis is not None:
+        s2 = jnp.where(vis, s2, -jnp.inf)
+    p = jnp.exp2(s2 - lse2[:, None])
+    dp = common.dot(spec, do, v, trans_b=True)
+    ds = p * (dp - delta[:, None])
+    if t is not None:
+        ds = ds * (1.0 - t * t)
+    return p, ds
+
+
+def _dkdv_kernel(*refs, spec: AttentionSpec, group: int, block_q: int, block_kv: int,
+                 head_dim: int):
+    if spec.has_segments:
+        (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_ids_ref, kv_ids_ref, lo_ref, hi_ref,
+         dk_ref, dv_ref) = refs
+    else:
+        q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref = refs
+        q_ids_ref = kv_ids_ref = lo_ref = hi_ref = None
+    mask = spec.mask
+    acc_dtype = common.accumulator_dtype(q_ref.dtype)
+    d_pad = q_ref.shape[-1]
+    cols = common.column_mask(head_dim, d_pad)
+
+    kv_start = pl.program_id(0) * block_kv
+    k_pos = common.row_positions(kv_start, block_kv)
+    k = common.load_tile(k_ref, kv_start, block_kv, mask.seq_kv, cols)
+    v = common.load_tile(v_ref, kv_start, block_kv, mask.seq_kv, cols)
+    kv_ids = None
+    if kv_ids_ref is not None:
+        kv_ids = common.load_vector(kv_ids_ref, kv_start, block_kv, mask.seq_kv, other=-2)
+    bounds = mask.q_blocks(kv_start, block_kv, block_q, mask.seq_kv, mask.seq_q)
+    bounds = common.block_range(bounds, lo_ref, hi_ref)
+
+    def head_step(g, carry):
+        q_head, do_head = q_ref.at[:, g, :], do_ref.at[:, g, :]
+        lse_head, delta_head = lse_ref.at[g, :], delta_ref.at[g, :]
+
+        def step(i, carry, masked):
+            dk, dv = carry
+            q_start = i * block_q
+            q = common.load_tile(q_head, q_start, block_q, mask.seq_q, cols)
+            do = common.load_tile(do_head, q_start, block_q, mask.seq_q, cols)
+            lse2 = _load_lse2(lse_head, q_start, block_q, mask.seq_q)
+            delta = common.load_vector(delta_head, q_start, block_q, mask.seq_q, other=0.0)
+            vis = None
+            if masked:
+                q_ids = None
+                if q_ids_ref is not None:
+                    q_ids = common.load_vector(q_ids_ref, q_start, block_q, mask.seq_q, other=-1)
+                q_pos = common.row_positions(q_start, block_q)
+                vis = common.tile_visible(spec, q_pos, k_pos, q_ids, kv_ids)
+            p, ds = _probabilities_and_ds(spec, q, k, v, do, lse2, delta, vis)
+            dv = dv + common.dot(spec, p.astype(do.dtype), do, trans_a=True)
+            dk = dk + common.dot(spec, ds.astype(q.dtype), q, trans_a=True)
+            return dk, dv
+
+        return common.three_phase_loop(bounds, step, carry)
+
+    zeros = jnp.zeros((block_kv, d_pad), acc_dtype)
+    dk, dv = jax.lax.fori_loop(0, group, head_step, (zeros, zeros))
+    common.store_tile(dk_ref, kv_start, block_kv, mask.seq_kv, cols, dk * spec.scale)
+    common.store_tile(dv_ref, kv_start, block_kv, mask.seq_kv, cols, dv)
+
+
+def _dq_kernel(*refs, spec: AttentionSpec, block_q: int, block_kv: int, head_dim: int):
+    if spec.has_segments:
+        (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_ids_ref, kv_ids_ref, lo_ref, hi_ref,
+         dq_ref) = refs
+    else:
+        q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref = refs
+        q_ids_ref = kv_ids_ref = lo_ref = hi_ref = None
+    mask = spec.mask
+    acc_dtype = common.accumulator_dtype(q_ref.dtype)
+    d_pad = q_ref.shape[-1]
+    cols = common.column_mask(head_dim, d_pad)
+
+    q_start = pl.program_id(0) * block_q
+    q_pos = common.row_positions(q_start, block_q)
+    q = common.load_tile(q_ref, q_start, block_q, mask.seq_q, cols)
+    do = common.load_tile(do_ref, q_start, block_q, mask.seq_q, cols)
+    lse2 = _load_lse2(lse_ref, q_start, block_q, mask.seq_q)
+    delta = common.load_vector(delta_ref, q_start, block_q, mask.seq_q, other=0.0)
+    q_ids = None
+    if q_ids_ref is not None:
+        q_ids = common.load_vector(q_ids_ref, q_start, block_q, mask.seq_q, other=-1)
+
+    def step(j, dq, masked):
+        k_start = j * block_kv
+        k = common.load_tile(k_ref, k_start, block_kv, mask.seq_kv, cols)
+        v = common.load_tile(v_ref, k_start, block_kv, mask.seq_kv, cols)
+        vis = None
+        if masked:
+            kv_ids = None
+            if kv_ids_ref is not None:
+                kv_ids = common.load_vector(kv_ids_ref, k_start, block_kv, mask.seq_kv, other=-2)
+            k_pos = common.row_positions(k_start, block_kv)
+            vis = common.tile_visible(spec, q_pos, k_pos, q_ids, kv_ids)
+        _, ds = _probabilities_and_ds(spec, q, k, v, do, lse2, delta, vis)
+        return dq + common.dot(spec, ds.astype(k.dtype), k)
+
+    bounds = mask.kv_blocks(q_start, block_q, block_kv, mask.seq_kv)
+    bounds = common.block_range(bounds, lo_ref, hi_ref)
+    dq = common.three_phase_loop(bounds, step, jnp.zeros((block_q, d_pad), acc_dtype))
+    common.store_tile(dq_ref, q_start, block_q, mask.seq_q, cols, dq * spec.scale)
+
+
+def backward(spec: AttentionSpec, q, k, v, out, lse, do, dlse, q_ids=None, kv_ids=None):
+    """(dq, dk, dv) in the dtypes of q, k, v. dlse is the cotangent of lse (zeros if unused)."""
+    batch, seq_q, q_heads, head_dim = q.shape
+    seq_kv, kv_heads = k.shape[1], k.shape[2]
+    group = q_heads // kv_heads
+    d_pad = common.padded_head_dim(head_dim)
+    acc_dtype = common.accumulator_dtype(q.dtype)
+
+    # The preprocess: one fused XLA pass over O and dO, [batch, q_heads, seq_q].
+    delta = jnp.einsum("bshd,bshd->bhs", out.astype(acc_dtype), do.astype(acc_dtype))
+    delta = delta - dlse.astype(acc_dtype)
+    compiler = lambda cfg: plgpu.CompilerParams(num_warps=cfg.num_warps,  # noqa: E731
+                                                num_stages=cfg.num_stages)
+
+    # ---- dK, dV: one program per (key block, batch, kv head) -----------------------------------
+    cfg = spec.config.bwd_dkdv
+    block_q = common.fit_block(cfg.block_q, seq_q)
+    block_kv = common.fit_block(cfg.block_kv, seq_kv)
+    group_q = pl.BlockSpec((None, seq_q, group, d_pad), lambda j, b, h: (b, 0, h, 0))
+    group_rows = pl.BlockSpec((None, group, seq_q), lambda j, b, h: (b, h, 0))
+    own_kv = pl.BlockSpec((None, seq_kv, None, d_pad), lambda j, b, h: (b, 0, h, 0))
+    in_specs = [group_q, own_kv, own_kv, group_q, group_rows, group_rows]
+    args = [q, k, v, do, lse, delta]
+    if spec.has_segments:
+        lo, hi = segment_block_ranges(kv_ids, q_ids, block_kv, block_q)
+        per_tile = pl.BlockSpec((None, None), lambda j, b, h: (b, j))
+        in_specs += [pl.BlockSpec((None, seq_q), lambda j, b, h: (b, 0)),
+                     pl.BlockSpec((None, seq_kv), lambda j, b, h: (b, 0)), per_tile, per_tile]
+        args += [q_ids, kv_ids, lo, hi]
+    dk, dv = pl.pallas_call(
+        functools.partial(_dkdv_kernel, spec=spec, group=group, block_q=block_q,
+                          block_kv=block_kv, head_dim=head_dim),
+        grid=(pl.cdiv(seq_kv, block_kv), batch, kv_heads),
+        in_specs=in_specs,
+        out_specs=[own_kv, own_kv],
+        out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
+        compiler_params=compiler(cfg),
+        interpret=spec.interpret,
+        name="pallas_flash_bwd_dkdv",
+    )(*args)
+
+    # ---- dQ: one program per (query block, batch, q head) ---------------------------------------
+    cfg = spec.config.bwd_dq
+    block_q = common.fit_block(cfg.block_q, seq_q)
+    block_kv = common.fit_block(cfg.block_kv, seq_kv)
+    own_q = pl.BlockSpec((None, seq_q, None, d_pad), lambda i, b, h: (b, 0, h, 0))
+    shared_kv = pl.BlockSpec((None, seq_kv, None, d_pad), lambda i, b, h: (b, 0, h // group, 0))
+    own_rows = pl.BlockSpec((None, None, seq_q), lambda i, b, h: (b, h, 0))
+    in_specs = [own_q, shared_kv, shared_kv, own_q, own_rows, own_rows]
+    args = [q, k, v, do, lse, delta]
+    if spec.has_segments:
+        lo, hi = segment_block_ranges(q_ids, kv_ids, block_q, block_kv)
+        per_tile = pl.BlockSpec((None, None), lambda i, b, h: (b, i))
+        in_specs += [pl.BlockSpec((None, seq_q), lambda i, b, h: (b, 0)),
+                     pl.BlockSpec((None, seq_kv), lambda i, b, h: (b, 0)), per_tile, per_tile]
+        args += [q_ids, kv_ids, lo, hi]
+    dq = pl.pallas_call(
+        functools.partial(_dq_kernel, spec=spec, block_q=block_q, block_kv=block_kv,
+                          head_dim=head_dim),
+        grid=(pl.cdiv(seq_q, block_q), batch, q_heads),
+        in_specs=in_specs,
+        out_specs=own_q,
+        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        compiler_params=compiler(cfg),
+        interpret=spec.interpret,
+        name="pallas_flash_bwd_dq",
+    )(*args)
+    return dq, dk, dv

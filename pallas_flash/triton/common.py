@@ -1,0 +1,128 @@
+"""In-kernel pieces shared by the Triton forward and backward kernels.
+
+Conventions every kernel here follows:
+
+* Refs cover a whole sequence of one (batch, head); kernels slice tiles with `pl.ds` and mask
+  the rows past the end themselves. The Triton lowering turns tile reads into raw pointer
+  offsets with no bounds check (on our H200 an unmasked 100-row array read with 64-row tiles
+  came back wrong), so every load and store of a possibly partial tile carries a row mask.
+* head_dim is padded to a power of two (the lowering only builds power-of-two tensors) and the
+  padding columns are masked on load (read as 0, which adds nothing to q.k) and on store.
+* Logits are kept in base 2: s2 = (q.k * scale) * log2(e), so the softmax uses exp2, which is
+  one instruction on the GPU. The lse that leaves the kernel is converted back to natural log.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_flash.spec import AttentionSpec
+
+LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
+MIN_TILE = 16
+
+
+def fit_block(block: int, seq: int) -> int:
+    """The tile actually used: never (much) longer than the sequence, never under 16 rows."""
+    return min(block, max(MIN_TILE, pl.next_power_of_2(seq)))
+
+
+def padded_head_dim(head_dim: int) -> int:
+    return max(MIN_TILE, pl.next_power_of_2(head_dim))
+
+
+def accumulator_dtype(dtype) -> jnp.dtype:
+    """float32 accumulators, except float64 inputs (interpret mode), which keep float64."""
+    return jnp.dtype(jnp.float64) if jnp.dtype(dtype) == jnp.float64 else jnp.dtype(jnp.float32)
+
+
+def column_mask(head_dim: int, padded: int):
+    """[1, padded] mask of the real head_dim columns, or None when there is no padding."""
+    if head_dim == padded:
+        return None
+    return (jnp.arange(padded, dtype=jnp.int32) < head_dim)[None, :]
+
+
+def row_positions(start, block: int):
+    return start + jnp.arange(block, dtype=jnp.int32)
+
+
+def load_tile(ref, start, block: int, n_rows: int, cols, *, other=0.0):
+    """Rows [start, start + block) of a [seq, head_dim_padded] ref; rows >= n_rows read `other`."""
+    rows_ok = (row_positions(start, block) < n_rows)[:, None]
+    mask = rows_ok if cols is None else rows_ok & cols
+    return plgpu.load(ref.at[pl.ds(start, block), :], mask=mask, other=other)
+
+
+def store_tile(ref, start, block: int, n_rows: int, cols, value):
+    rows_ok = (row_positions(start, block) < n_rows)[:, None]
+    mask = rows_ok if cols is None else rows_ok & cols
+    plgpu.store(ref.at[pl.ds(start, block), :], value.astype(ref.dtype), mask=mask)
+
+
+def load_vector(ref, start, block: int, n_rows: int, *, other):
+    """Entries [start, start + block) of a 1-D ref (lse, delta, segment ids)."""
+    ok = row_positions(start, block) < n_rows
+    return plgpu.load(ref.at[pl.ds(start, block)], mask=ok, other=other)
+
+
+def _dot_precision(spec: AttentionSpec, dtype):
+    # Only float32 operands have a choice (tf32 or full ieee); bf16/f16/f64 have one path.
+    return spec.precision if jnp.dtype(dtype) == jnp.float32 else None
+
+
+def dot(spec: AttentionSpec, a, b, *, trans_a=False, trans_b=False):
+    return plgpu.dot(a, b, trans_a=trans_a, trans_b=trans_b,
+                     precision=_dot_precision(spec, a.dtype))
+
+
+def scores(spec: AttentionSpec, q, k):
+    """Base-2 logits of a tile, and tanh(logits / softcap) for the backward's chain rule.
+
+    Returns (s2 [block_q, block_kv], t or None).
+    """
+    s = dot(spec, q, k, trans_b=True)
+    if spec.softcap is None:
+        return s * (spec.scale * LOG2E), None
+    t = jnp.tanh(s * (spec.scale / spec.softcap))
+    return t * (spec.softcap * LOG2E), t
+
+
+def tile_visible(spec: AttentionSpec, q_pos, k_pos, q_ids=None, kv_ids=None):
+    """Which (query, key) pairs of a tile may attend: position, the key bound, segments."""
+    vis = spec.mask.visible(q_pos[:, None], k_pos[None, :], spec.mask.seq_kv)
+    if q_ids is not None:
+        vis = vis & (q_ids[:, None] == kv_ids[None, :])
+    return vis
+
+
+def block_range(bounds, seg_lo_ref, seg_hi_ref):
+    """Tightens the static loop bounds with the segment-derived ones, when segments are given.
+
+    With segment ids every visited block is masked (ids are data), so the unmasked middle
+    range collapses to empty.
+    """
+    lo, full_lo, full_hi, hi = bounds
+    if seg_lo_ref is None:
+        return lo, full_lo, full_hi, hi
+    lo = jnp.maximum(lo, seg_lo_ref[()])
+    hi = jnp.maximum(jnp.minimum(hi, seg_hi_ref[()]), lo)
+    return lo, lo, lo, hi
+
+
+def three_phase_loop(bounds, body, carry):
+    """Runs body(j, carry, masked) over [lo, hi), unmasked on [full_lo, full_hi).
+
+    Paying for the mask only on the edge blocks, as the Triton tutorial does with its stage
+    flag, is what lets the interior of a causal or windowed tile run at the dense speed.
+    """
+    lo, full_lo, full_hi, hi = bounds
+    carry = jax.lax.fori_loop(lo, full_lo, lambda j, c: body(j, c, True), carry)
+    carry = jax.lax.fori_loop(full_lo, full_hi, lambda j, c: body(j, c, False), carry)
+    return jax.lax.fori_loop(full_hi, hi, lambda j, c: body(j, c, True), carry)

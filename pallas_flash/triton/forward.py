@@ -1,0 +1,138 @@
+"""Forward kernel, lowered through Pallas Triton: O and the row logsumexp.
+
+Grid: (query blocks, batch, q_heads). Each program owns block_q query rows of one (batch, head)
+and walks the key/value blocks of that head's kv head (head // group, so GQA/MQA never copies
+K/V) with the online softmax of FlashAttention-2:
+
+    m_j   = max(m_{j-1}, rowmax(S_j))                 S_j = scale * Q K_j^T, in base 2
+    l_j   = l_{j-1} * 2^(m_{j-1} - m_j) + rowsum(2^(S_j - m_j))
+    acc_j = acc_{j-1} * 2^(m_{j-1} - m_j) + 2^(S_j - m_j) V_j
+    O = acc / l,    lse = (m + log2 l) * ln 2
+
+Key blocks that no query of the tile may see are never visited (masking.py gives the range);
+blocks that every query sees fully skip the mask. A row that sees no key keeps m = -inf and
+l = 0, and leaves with O = 0 and lse = -inf: the running max is replaced by 0 wherever it is
+still -inf, so no inf - inf is ever formed.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_flash.masking import segment_block_ranges
+from pallas_flash.spec import AttentionSpec
+from pallas_flash.triton import common
+
+__all__ = ["forward"]
+
+
+def _forward_kernel(*refs, spec: AttentionSpec, block_q: int, block_kv: int, head_dim: int):
+    if spec.has_segments:
+        q_ref, k_ref, v_ref, q_ids_ref, kv_ids_ref, lo_ref, hi_ref, o_ref, lse_ref = refs
+    else:
+        q_ref, k_ref, v_ref, o_ref, lse_ref = refs
+        q_ids_ref = kv_ids_ref = lo_ref = hi_ref = None
+    mask = spec.mask
+    acc_dtype = common.accumulator_dtype(q_ref.dtype)
+    cols = common.column_mask(head_dim, q_ref.shape[-1])
+
+    q_start = pl.program_id(0) * block_q
+    q_pos = common.row_positions(q_start, block_q)
+    q = common.load_tile(q_ref, q_start, block_q, mask.seq_q, cols)
+    q_ids = None
+    if q_ids_ref is not None:
+        q_ids = common.load_vector(q_ids_ref, q_start, block_q, mask.seq_q, other=-1)
+
+    def step(j, carry, masked):
+        acc, m, l = carry
+        k_start = j * block_kv
+        k = common.load_tile(k_ref, k_start, block_kv, mask.seq_kv, cols)
+        v = common.load_tile(v_ref, k_start, block_kv, mask.seq_kv, cols)
+        s2, _ = common.scores(spec, q, k)
+        if masked:
+            kv_ids = None
+            if kv_ids_ref is not None:
+                kv_ids = common.load_vector(kv_ids_ref, k_start, block_kv, mask.seq_kv, other=-2)
+            k_pos = common.row_positions(k_start, block_kv)
+            s2 = jnp.where(common.tile_visible(spec, q_pos, k_pos, q_ids, kv_ids), s2, -jnp.inf)
+        m_new = jnp.maximum(m, jnp.max(s2, axis=1))
+        m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+        alpha = jnp.exp2(m - m_safe)
+        p = jnp.exp2(s2 - m_safe[:, None])
+        l = l * alpha + jnp.sum(p, axis=1)
+        acc = acc * alpha[:, None] + common.dot(spec, p.astype(v.dtype), v)
+        return acc, m_new, l
+
+    init = (
+        jnp.zeros((block_q, q_ref.shape[-1]), acc_dtype),
+        jnp.full((block_q,), -jnp.inf, acc_dtype),
+        jnp.zeros((block_q,), acc_dtype),
+    )
+    bounds = mask.kv_blocks(q_start, block_q, block_kv, mask.seq_kv)
+    bounds = common.block_range(bounds, lo_ref, hi_ref)
+    acc, m, l = common.three_phase_loop(bounds, step, init)
+
+    seen = l > 0
+    out = acc / jnp.where(seen, l, 1.0)[:, None]
+    lse = jnp.where(seen, (m + jnp.log2(jnp.where(seen, l, 1.0))) * common.LN2, -jnp.inf)
+    common.store_tile(o_ref, q_start, block_q, mask.seq_q, cols, out)
+    ok = q_pos < mask.seq_q
+    plgpu.store(lse_ref.at[pl.ds(q_start, block_q)], lse.astype(lse_ref.dtype), mask=ok)
+
+
+def forward(spec: AttentionSpec, q, k, v, q_ids=None, kv_ids=None):
+    """O [batch, seq_q, q_heads, head_dim] and lse [batch, q_heads, seq_q].
+
+    q_ids/kv_ids: int32 [batch, seq] segment ids, with padding folded in (masking.py); given
+    exactly when spec.has_segments.
+    """
+    batch, seq_q, q_heads, head_dim = q.shape
+    seq_kv, kv_heads = k.shape[1], k.shape[2]
+    group = q_heads // kv_heads
+    cfg = spec.config.fwd
+    block_q = common.fit_block(cfg.block_q, seq_q)
+    block_kv = common.fit_block(cfg.block_kv, seq_kv)
+    d_pad = common.padded_head_dim(head_dim)
+    n_q_blocks = pl.cdiv(seq_q, block_q)
+
+    whole_q = pl.BlockSpec((None, seq_q, None, d_pad), lambda i, b, h: (b, 0, h, 0))
+    whole_kv = pl.BlockSpec((None, seq_kv, None, d_pad), lambda i, b, h: (b, 0, h // group, 0))
+    in_specs = [whole_q, whole_kv, whole_kv]
+    args = [q, k, v]
+    if spec.has_segments:
+        lo, hi = segment_block_ranges(q_ids, kv_ids, block_q, block_kv)
+        per_tile = pl.BlockSpec((None, None), lambda i, b, h: (b, i))
+        in_specs += [
+            pl.BlockSpec((None, seq_q), lambda i, b, h: (b, 0)),
+            pl.BlockSpec((None, seq_kv), lambda i, b, h: (b, 0)),
+            per_tile,
+            per_tile,
+        ]
+        args += [q_ids, kv_ids, lo, hi]
+
+    lse_dtype = common.accumulator_dtype(q.dtype)
+    kernel = functools.partial(
+        _forward_kernel, spec=spec, block_q=block_q, block_kv=block_kv, head_dim=head_dim
+    )
+    out, lse = pl.pallas_call(
+        kernel,
+        grid=(n_q_blocks, batch, q_heads),
+        in_specs=in_specs,
+        out_specs=[
+            pl.BlockSpec((None, seq_q, None, d_pad), lambda i, b, h: (b, 0, h, 0)),
+            pl.BlockSpec((None, None, seq_q), lambda i, b, h: (b, h, 0)),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct(q.shape, q.dtype),
+            jax.ShapeDtypeStruct((batch, q_heads, seq_q), lse_dtype),
+        ],
+        compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
+        interpret=spec.interpret,
+        name="pallas_flash_fwd",
+    )(*args)
+    return out, lse
