@@ -16,6 +16,11 @@ import jax.numpy as jnp
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
+# Pallas interpret mode imports this module on its first trace, and the module registers a config
+# option that is part of jit's cache key: every function traced before that first trace (a whole
+# train step) would then be traced and compiled twice. Importing it here, up front, avoids that.
+import jax.experimental.pallas.fuser  # noqa: E402,F401  pylint: disable=unused-import
+
 from pallas_flash import validation
 from pallas_flash.config import FlashConfig, default_config
 from pallas_flash.masking import CausalAlignment, fold_lengths, make_mask_spec

@@ -360,7 +360,11 @@ def short_error(exc: BaseException) -> str:
 def time_calls(f, args, iters: int, warmup: int) -> tuple[list[float], Any]:
     """Per-call wall times in seconds (after warmup) and the last result."""
     out = None
-    for _ in range(max(warmup, 1)):  # the first call compiles
+    # At least two: the first call compiles, and JAX's Pallas modules load on
+    # the first trace in a process and register config options, which changes
+    # the jit cache key, so the second call of the first Pallas function
+    # compiles again.
+    for _ in range(max(warmup, 2)):
         out = jax.block_until_ready(f(*args))
     times = []
     for _ in range(iters):
@@ -535,11 +539,21 @@ def memory_child(impl: str, seq: int, dtype_name: str) -> dict:
             result["compiled_temp_bytes"] = compiled.memory_analysis().temp_size_in_bytes
         except Exception:  # noqa: BLE001 - not every backend reports it
             result["compiled_temp_bytes"] = None
+        # Autotuning during compilation allocates too; if this is close to the
+        # final peak, the peak is the compiler's, not the step's.
+        stats = jax.devices()[0].memory_stats() or {}
+        result["peak_bytes_after_compile"] = stats.get("peak_bytes_in_use")
         t0 = time.perf_counter()
         jax.block_until_ready(compiled(q, k, v, do, {}))
         result["step_s"] = time.perf_counter() - t0
         stats = jax.devices()[0].memory_stats() or {}
         result["peak_bytes"] = stats.get("peak_bytes_in_use")
+        if result["step_s"] < 30:
+            # The first run may include one-time kernel loading; when a second
+            # run is cheap, report its time instead.
+            t0 = time.perf_counter()
+            jax.block_until_ready(compiled(q, k, v, do, {}))
+            result["step_s"] = time.perf_counter() - t0
         result["status"] = "ok"
     except NotApplicable as e:
         result.update(status="n.a.", error=str(e))
@@ -570,10 +584,15 @@ def run_memory_point(impl: str, seq: int, args) -> dict:
     return {**base, "status": "error", "error": f"exit {proc.returncode}: {tail}"[:200]}
 
 
-def run_memory(args, impl_names) -> dict:
+def run_memory(args, impl_names, on_point=None) -> dict:
+    """Every (impl, seq) point; `on_point(partial result)` after each one."""
     seqs = [parse_seq(s) for s in args.memory_seqs.split(",") if s.strip()]
     dtype_bytes = jnp.dtype(DTYPES[args.dtype]).itemsize
+    batch, q_heads, kv_heads, head_dim = MEMORY_SHAPE
+    shape = {"batch": batch, "q_heads": q_heads, "kv_heads": kv_heads,
+             "head_dim": head_dim, "causal": True, "dtype": args.dtype}
     points, longest = [], {}
+    memory = {"shape": shape, "points": points, "longest_seq_ok": longest}
     for impl in impl_names:
         failed_at = None
         for seq in sorted(seqs):
@@ -592,7 +611,9 @@ def run_memory(args, impl_names) -> dict:
             elif failed_at is None:
                 failed_at = seq
             points.append(point)
-    return {"points": points, "longest_seq_ok": longest}
+            if on_point:
+                on_point(memory)
+    return memory
 
 
 # --------------------------------------------------------------------------
@@ -648,50 +669,53 @@ def format_memory_table(memory: dict) -> str:
         if p.get("error"):
             line += f"  {p['error']}"
         lines.append(line)
-    for impl, seq in memory["longest_seq_ok"].items():
-        lines.append(f"longest seq that fits: {impl}: {seq_label(seq)}")
+    for impl in dict.fromkeys(p["impl"] for p in memory["points"]):
+        seq = memory["longest_seq_ok"].get(impl)
+        lines.append(f"longest seq that fits: {impl}: {seq_label(seq) if seq else 'none'}")
     return "\n".join(lines)
 
 
 def plot_speed(rows: list[dict], path: str) -> bool:
-    """TFLOP/s vs sequence length; panels fwd/bwd x non-causal/causal."""
+    """TFLOP/s vs sequence length; panels fwd/bwd x non-causal/causal.
+
+    Colour = implementation, marker = head layout (q heads/kv heads, head_dim):
+    seq alone does not fix the shape, so points of one layout are joined.
+    """
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        from matplotlib.lines import Line2D
     except ImportError:
         return False
     impls = sorted({r["impl"] for r in rows})
     shapes = sorted({(r["q_heads"], r["kv_heads"], r["head_dim"]) for r in rows})
-    styles = ["-", "--", ":", "-."]
+    markers = "os^Dvp*hX"
     fig, axes = plt.subplots(2, 2, figsize=(12, 8), squeeze=False)
     for col, causal in enumerate((False, True)):
         for row_i, pass_ in enumerate(("fwd", "bwd")):
             ax = axes[row_i][col]
             for ci, impl in enumerate(impls):
-                # One line per head layout, since seq alone does not fix the shape.
                 for si, shape in enumerate(shapes):
                     pts = sorted((r["seq"], r[f"{pass_}_tflops"]) for r in rows
                                  if r["impl"] == impl and r["causal"] == causal
                                  and (r["q_heads"], r["kv_heads"], r["head_dim"]) == shape
                                  and r.get(f"{pass_}_tflops"))
                     if pts:
-                        ax.plot(*zip(*pts), styles[si % len(styles)], marker="o",
-                                color=f"C{ci}",
-                                label=f"{impl} H{shape[0]}/{shape[1]} D{shape[2]}")
+                        ax.plot(*zip(*pts), color=f"C{ci}", marker=markers[si % len(markers)],
+                                linestyle="-" if len(pts) > 1 else "none")
             ax.set_xscale("log", base=2)
+            ax.set_ylim(bottom=0)  # so heights read as fractions of the ceiling
             ax.set_xlabel("sequence length")
             ax.set_ylabel("TFLOP/s")
             ax.set_title(f"{pass_} {'causal' if causal else 'non-causal'}")
             ax.grid(True, alpha=0.3)
-    handles, labels = axes[0][0].get_legend_handles_labels()
-    for ax in axes.ravel():
-        for h, l in zip(*ax.get_legend_handles_labels()):
-            if l not in labels:
-                handles.append(h)
-                labels.append(l)
-    fig.legend(handles, labels, loc="lower center", ncol=3, fontsize=7)
-    fig.tight_layout(rect=(0, 0.12, 1, 1))
+    handles = [Line2D([], [], color=f"C{i}", label=n) for i, n in enumerate(impls)]
+    handles += [Line2D([], [], color="gray", linestyle="none", marker=markers[i % len(markers)],
+                       label=f"heads {hq}/{hkv}, D {d}")
+                for i, (hq, hkv, d) in enumerate(shapes)]
+    fig.legend(handles=handles, loc="lower center", ncol=4, fontsize=8)
+    fig.tight_layout(rect=(0, 0.08, 1, 1))
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return True
@@ -726,12 +750,28 @@ def plot_memory(memory: dict, path: str) -> bool:
     return True
 
 
+def git_commit() -> str | None:
+    """HEAD of the checkout this module lives in, '+dirty' if modified."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root,
+                              capture_output=True, text=True, timeout=10)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                               cwd=root, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if head.returncode != 0:
+        return None
+    return head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
+
+
 def metadata(args, argv) -> dict:
     dev = jax.devices()[0]
     return {
         "gpu": dev.device_kind,
         "backend": jax.default_backend(),
         "jax_version": jax.__version__,
+        "git_commit": git_commit(),
         "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "argv": list(argv),
         "dtype": args.dtype,
@@ -742,6 +782,11 @@ def metadata(args, argv) -> dict:
         "flops": "fwd = 4*B*Hq*Sq*Skv*D (/2 causal); bwd = 2.5*fwd; variants count "
                  "kept (query, key) pairs instead of Sq*Skv(/2)",
     }
+
+
+def summary_line(meta: dict) -> str:
+    return (f"{meta['gpu']} ({meta['backend']}), jax {meta['jax_version']}, "
+            f"commit {meta['git_commit']}, {meta['date_utc']}, {meta['dtype']}")
 
 
 def write_json(obj: dict, out_dir: str, stem: str) -> str:
@@ -773,7 +818,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--iters-bwd", type=int, default=None,
                    help="forward+backward runs (default 10)")
     p.add_argument("--warmup", type=int, default=None,
-                   help="untimed calls first, the first compiles (default 3)")
+                   help="untimed calls first, at least 2 (default 3)")
     p.add_argument("--ref-rows", type=int, default=None,
                    help="query rows sampled for the f32 reference (default 256)")
     p.add_argument("--variants", action="store_true",
@@ -807,7 +852,7 @@ def resolve_defaults(args) -> None:
         "causal": "both",
         "iters": 1 if smoke else 20,
         "iters_bwd": 1 if smoke else 10,
-        "warmup": 1 if smoke else 3,
+        "warmup": 2 if smoke else 3,
         # Fewer rows than the sequence so the smoke run exercises row sampling.
         "ref_rows": 64 if smoke else 256,
         "plot": not smoke,
@@ -815,6 +860,7 @@ def resolve_defaults(args) -> None:
     for name, value in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
+    args.warmup = max(args.warmup, 2)  # see time_calls
 
 
 def parse_impls(text: str | None, parser) -> list[str] | None:
@@ -861,27 +907,36 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"device: {meta['gpu']} ({meta['backend']}), jax {meta['jax_version']}", flush=True)
 
     if args.memory:
-        memory = run_memory(args, impls)
-        result = {"meta": meta, "memory": memory}
-        path = write_json(result, args.out, f"memory_{stamp}")
+        def save(memory, complete):
+            return write_json({"meta": meta, "complete": complete, "memory": memory},
+                              args.out, f"memory_{stamp}")
+
+        memory = run_memory(args, impls, on_point=lambda m: save(m, False))
+        path = save(memory, True)
+        result = {"meta": meta, "complete": True, "memory": memory}
         if args.plot and plot_memory(memory, os.path.join(args.out, f"memory_{stamp}.png")):
             print(f"plot: {os.path.join(args.out, f'memory_{stamp}.png')}")
         print(f"json: {path}\n")
+        print(summary_line(meta))
         print(format_memory_table(memory))
         return result
 
-    cases = select_cases(args, parser)
     key = jax.random.key(args.seed)
-    rows = []
-    for i, case in enumerate(cases):
-        rows += run_case(case, impls, args, jax.random.fold_in(key, i))
+    plan = [(c, impls, jax.random.fold_in(key, i))
+            for i, c in enumerate(select_cases(args, parser))]
     if args.variants:
         # XLA materialises S x S logits, hopeless at 32k: only if asked for.
         v_impls = explicit_impls or ["pallas_flash", "cudnn"]
-        for i, case in enumerate(variant_cases()):
-            rows += run_case(case, v_impls, args, jax.random.fold_in(key, 1000 + i))
+        plan += [(c, v_impls, jax.random.fold_in(key, 1000 + i))
+                 for i, c in enumerate(variant_cases())]
 
-    result = {"meta": meta, "results": rows}
+    rows: list[dict] = []
+    result = {"meta": meta, "complete": False, "results": rows}
+    for case, case_impls, case_key in plan:
+        rows += run_case(case, case_impls, args, case_key)
+        # Rewritten after every case, so a run cut short keeps what it measured.
+        path = write_json(result, args.out, f"bench_{stamp}")
+    result["complete"] = True
     path = write_json(result, args.out, f"bench_{stamp}")
     png = os.path.join(args.out, f"bench_{stamp}.png")
     if args.plot:
@@ -889,6 +944,7 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"plot: {png}" if plot_speed(speed_rows, png)
               else "plot: skipped (matplotlib not importable)")
     print(f"json: {path}\n")
+    print(summary_line(meta))
     print(format_table(rows))
     return result
 

@@ -99,7 +99,7 @@ def _dkdv_kernel(*refs, spec: AttentionSpec, group: int, block_q: int, block_kv:
         return common.three_phase_loop(bounds, step, carry)
 
     zeros = jnp.zeros((block_kv, d_pad), acc_dtype)
-    dk, dv = jax.lax.fori_loop(0, group, head_step, (zeros, zeros))
+    dk, dv = jax.lax.fori_loop(jnp.int32(0), jnp.int32(group), head_step, (zeros, zeros))
     common.store_tile(dk_ref, kv_start, block_kv, mask.seq_kv, cols, dk * spec.scale)
     common.store_tile(dv_ref, kv_start, block_kv, mask.seq_kv, cols, dv)
 

@@ -53,17 +53,23 @@ def row_positions(start, block: int):
     return start + jnp.arange(block, dtype=jnp.int32)
 
 
+def _tile(ref, start, block: int):
+    # Both index starts spelled as int32: under jax_enable_x64 a bare `:` would become an int64
+    # start next to our int32 row start, and Pallas rejects mixed index dtypes.
+    return ref.at[pl.ds(start, block), pl.ds(jnp.int32(0), ref.shape[-1])]
+
+
 def load_tile(ref, start, block: int, n_rows: int, cols, *, other=0.0):
     """Rows [start, start + block) of a [seq, head_dim_padded] ref; rows >= n_rows read `other`."""
     rows_ok = (row_positions(start, block) < n_rows)[:, None]
     mask = rows_ok if cols is None else rows_ok & cols
-    return plgpu.load(ref.at[pl.ds(start, block), :], mask=mask, other=other)
+    return plgpu.load(_tile(ref, start, block), mask=mask, other=other)
 
 
 def store_tile(ref, start, block: int, n_rows: int, cols, value):
     rows_ok = (row_positions(start, block) < n_rows)[:, None]
     mask = rows_ok if cols is None else rows_ok & cols
-    plgpu.store(ref.at[pl.ds(start, block), :], value.astype(ref.dtype), mask=mask)
+    plgpu.store(_tile(ref, start, block), value.astype(ref.dtype), mask=mask)
 
 
 def load_vector(ref, start, block: int, n_rows: int, *, other):

@@ -1,0 +1,30 @@
+"""Test-suite switches.
+
+On a machine without a GPU the kernels run in Pallas interpret mode (the library picks it). On a
+GPU they run compiled; pass ``--compiled`` (or set PALLAS_FLASH_COMPILED=1) to insist on that, so
+a GPU run cannot silently fall back to the interpreter.
+"""
+
+import os
+
+import jax
+import pytest
+
+
+def pytest_addoption(parser):
+    parser.addoption("--compiled", action="store_true", default=False,
+                     help="require a GPU and run the kernels compiled (not interpreted)")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: large shapes; deselect with -m 'not slow'")
+    compiled = config.getoption("--compiled") or os.environ.get("PALLAS_FLASH_COMPILED") == "1"
+    if compiled and jax.default_backend() != "gpu":
+        raise pytest.UsageError("--compiled needs a GPU, but JAX's default backend is "
+                                f"{jax.default_backend()!r}")
+
+
+@pytest.fixture
+def x64():
+    with jax.enable_x64(True):
+        yield

@@ -1,0 +1,116 @@
+"""The one comparison helper every kernel test uses, and the per-dtype tolerance table.
+
+`check_against_reference` runs flash_attention and reference_attention (float32 math, or
+float64 for float64 inputs) on the same inputs, with random cotangents for both outputs, and
+compares O, lse, dq, dk and dv by relative Frobenius error. A failure reports the error, the
+tolerance and the worst element, like np.testing does.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import pallas_flash as pf
+
+ON_GPU = jax.default_backend() == "gpu"
+
+# Relative Frobenius error ||x - ref|| / ||ref|| allowed for each input dtype.
+#  - bf16/f16: operands carry 8/11 mantissa bits and P is rounded to the input dtype before the
+#    P.V and dS.K products (as in every FlashAttention); measured errors sit near 3e-3 (bf16) and
+#    4e-4 (f16) for O, up to 3x that for gradients.
+#  - float32 on the GPU: matmuls run as tf32 (10 mantissa bits) by default, like XLA; about 3e-4
+#    was measured on our H200 for plain attention.
+#  - float32 / float64 in interpret mode: exact-arithmetic differences only.
+TOLERANCE = {
+    jnp.dtype(jnp.bfloat16): 2e-2,
+    jnp.dtype(jnp.float16): 4e-3,
+    jnp.dtype(jnp.float32): 2e-3 if ON_GPU else 1e-5,
+    jnp.dtype(jnp.float64): 1e-10,
+}
+
+
+def random_inputs(key, batch, seq_q, seq_kv, q_heads, kv_heads, head_dim, dtype):
+    """Fresh normal q, k, v and a normal output cotangent (never zeros or ones)."""
+    kq, kk, kv, kd = jax.random.split(key, 4)
+    q = jax.random.normal(kq, (batch, seq_q, q_heads, head_dim), jnp.float32).astype(dtype)
+    k = jax.random.normal(kk, (batch, seq_kv, kv_heads, head_dim), jnp.float32).astype(dtype)
+    v = jax.random.normal(kv, (batch, seq_kv, kv_heads, head_dim), jnp.float32).astype(dtype)
+    do = jax.random.normal(kd, (batch, seq_q, q_heads, head_dim), jnp.float32).astype(dtype)
+    return q, k, v, do
+
+
+def relative_error(actual, expected, floor=0.0) -> float:
+    """||a - e|| / ||e||, with ||e|| taken as at least floor * sqrt(size)."""
+    a = np.asarray(actual, np.float64)
+    e = np.asarray(expected, np.float64)
+    scale = max(np.linalg.norm(e), floor * np.sqrt(e.size), 1e-30)
+    return float(np.linalg.norm(a - e) / scale)
+
+
+def assert_close(name, actual, expected, tol, floor=0.0):
+    actual = np.asarray(actual, np.float64)
+    expected = np.asarray(expected, np.float64)
+    assert actual.shape == expected.shape, f"{name}: shape {actual.shape} != {expected.shape}"
+    assert np.isfinite(actual).all(), f"{name}: {np.sum(~np.isfinite(actual))} non-finite values"
+    err = relative_error(actual, expected, floor)
+    if not err <= tol:
+        diff = np.abs(actual - expected)
+        worst = np.unravel_index(np.argmax(diff), diff.shape)
+        raise AssertionError(
+            f"{name}: relative error {err:.3e} > tolerance {tol:.1e}\n"
+            f"  worst element {worst}: actual {actual[worst]!r}, expected {expected[worst]!r}, "
+            f"|diff| {diff[worst]:.3e}; max |expected| {np.abs(expected).max():.3e}"
+        )
+
+
+def _outputs_and_grads(fn, q, k, v, do, dlse, kwargs):
+    """O, lse and the vjp (dq, dk, dv) of fn for cotangents (do, dlse), in one jitted call.
+
+    dlse is applied to finite lse entries only: a row that sees no key has lse = -inf in both
+    implementations, and its cotangent must not turn into inf * 0.
+    """
+
+    @jax.jit
+    def run(q, k, v, do, dlse):
+        (out, lse), vjp = jax.vjp(lambda q, k, v: fn(q, k, v, return_lse=True, **kwargs), q, k, v)
+        grads = vjp((do.astype(out.dtype), jnp.where(jnp.isfinite(lse), dlse, 0.0).astype(lse.dtype)))
+        return out, lse, grads
+
+    return run(q, k, v, do, dlse)
+
+
+def check_against_reference(q, k, v, do, *, key=None, tol=None, **kwargs):
+    """Compares flash_attention with reference_attention on O, lse, dq, dk, dv.
+
+    kwargs are passed to both (causal, window, segment ids, ...). The reference runs on the same
+    inputs upcast to float32 (float64 stays float64), so it is the more precise side.
+    """
+    dtype = jnp.dtype(q.dtype)
+    tol = TOLERANCE[dtype] if tol is None else tol
+    ref_dtype = jnp.float64 if dtype == jnp.float64 else jnp.float32
+    key = jax.random.PRNGKey(1) if key is None else key
+    dlse = jax.random.normal(key, (q.shape[0], q.shape[2], q.shape[1]), ref_dtype)
+
+    out, lse, grads = _outputs_and_grads(pf.flash_attention, q, k, v, do, dlse, kwargs)
+    up = lambda x: x.astype(ref_dtype)  # noqa: E731
+    ref_kwargs = {name: value for name, value in kwargs.items() if name != "precision"}
+    ref_out, ref_lse, ref_grads = _outputs_and_grads(
+        pf.reference_attention, up(q), up(k), up(v), up(do), dlse, ref_kwargs)
+
+    assert out.dtype == q.dtype and out.shape == q.shape
+    assert lse.shape == (q.shape[0], q.shape[2], q.shape[1])
+    # Rows that see no key must agree exactly on lse = -inf; the rest are compared by value.
+    empty = ~np.isfinite(np.asarray(ref_lse))
+    np.testing.assert_array_equal(np.asarray(lse) == -np.inf, empty,
+                                  err_msg="rows with lse = -inf differ from the reference")
+    assert not np.isnan(np.asarray(lse)).any(), "lse has NaN"
+    assert_close("out", out, ref_out, tol)
+    # lse is a log: its error is absolute in units of the logits, so values near 0 are compared
+    # as if they had magnitude 1.
+    assert_close("lse", np.where(empty, 0.0, lse), np.where(empty, 0.0, ref_lse), tol, floor=1.0)
+    for name, g, rg, x in zip(("dq", "dk", "dv"), grads, ref_grads, (q, k, v)):
+        assert g.dtype == x.dtype, f"{name} dtype {g.dtype} != input dtype {x.dtype}"
+        assert_close(name, g, rg, tol)
+    return out, lse, grads

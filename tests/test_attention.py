@@ -1,0 +1,71 @@
+"""Forward, lse and all three gradients against reference_attention over the awkward cases."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from helpers import check_against_reference, random_inputs
+
+# (batch, seq_q, seq_kv, q_heads, kv_heads, head_dim): single tokens, odd and unequal lengths,
+# lengths one past and one short of a tile, MHA / GQA / MQA, head dims that are not powers of two.
+SHAPES = [
+    (1, 1, 1, 1, 1, 16),
+    (2, 7, 7, 2, 2, 32),
+    (1, 113, 203, 4, 1, 64),   # MQA, cross lengths
+    (1, 203, 113, 4, 2, 40),   # GQA, seq_q > seq_kv
+    (1, 129, 100, 2, 2, 72),
+    (2, 100, 129, 6, 3, 96),
+    (1, 65, 33, 2, 1, 80),
+    (1, 130, 130, 2, 2, 128),
+    (1, 70, 90, 2, 2, 256),
+]
+DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
+
+
+def _ids(shape):
+    return "x".join(map(str, shape))
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("shape", SHAPES, ids=_ids)
+def test_matches_reference_float32(shape, causal):
+    q, k, v, do = random_inputs(jax.random.PRNGKey(hash(shape) % 2**31), *shape, jnp.float32)
+    check_against_reference(q, k, v, do, causal=causal)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "f16"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("shape", [SHAPES[2], SHAPES[3], SHAPES[5], SHAPES[8]], ids=_ids)
+def test_matches_reference_half(shape, causal, dtype):
+    q, k, v, do = random_inputs(jax.random.PRNGKey(7), *shape, dtype)
+    check_against_reference(q, k, v, do, causal=causal)
+
+
+@pytest.mark.parametrize("seq_q,seq_kv", [(40, 100), (100, 40), (1, 77)])
+def test_causal_bottom_right(seq_q, seq_kv):
+    q, k, v, do = random_inputs(jax.random.PRNGKey(3), 1, seq_q, seq_kv, 4, 2, 32, jnp.float32)
+    check_against_reference(q, k, v, do, causal=True, causal_alignment="bottom_right")
+
+
+def test_causal_top_left_with_more_queries_than_keys_has_full_rows():
+    # Top-left causal with seq_q > seq_kv: every row sees at least key 0, none are empty.
+    q, k, v, do = random_inputs(jax.random.PRNGKey(4), 1, 90, 30, 2, 2, 32, jnp.float32)
+    _, lse, _ = check_against_reference(q, k, v, do, causal=True)
+    assert jnp.isfinite(lse).all()
+
+
+def test_scale_is_used():
+    q, k, v, do = random_inputs(jax.random.PRNGKey(5), 1, 50, 60, 2, 1, 32, jnp.float32)
+    check_against_reference(q, k, v, do, causal=True, scale=0.37)
+
+
+def test_highest_precision_float32():
+    q, k, v, do = random_inputs(jax.random.PRNGKey(6), 1, 70, 70, 2, 2, 64, jnp.float32)
+    check_against_reference(q, k, v, do, precision="highest", tol=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_long_unequal(causal):
+    q, k, v, do = random_inputs(jax.random.PRNGKey(8), 1, 1023, 1024, 2, 1, 64, jnp.bfloat16)
+    check_against_reference(q, k, v, do, causal=causal)

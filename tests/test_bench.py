@@ -1,0 +1,180 @@
+"""Tests of the benchmark harness (pallas_flash.bench) that run on the CPU.
+
+The smoke run goes through the whole pipeline in-process (timing, ratios,
+sampled-row reference, JSON); on a CPU cuDNN is missing, which must come out
+as an error row rather than a crash.
+"""
+
+import json
+import math
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from pallas_flash import bench
+
+
+def test_flops_formula_by_hand():
+    # 4 * 8 * 16 * 2048 * 2048 * 128 = 274_877_906_944
+    dense = bench.attention_flops(8, 2048, 2048, 16, 128, causal=False)
+    assert dense == 274_877_906_944
+    assert bench.attention_flops(8, 2048, 2048, 16, 128, causal=True) == 137_438_953_472
+    assert bench.attention_flops(8, 2048, 2048, 16, 128, True, "bwd") == 343_597_383_680
+    assert bench.attention_flops(8, 2048, 2048, 16, 128, True, "fwdbwd") == 481_036_337_152
+
+
+def test_attended_pairs_of_variants():
+    case = bench.Case(1, 16, 1, 1, 8, True, "window")
+    # window 4 over 16 keys: rows 0..3 see 1..4 keys, rows 4..15 see 5 keys.
+    assert bench.attended_pairs(case, {"window": (4, 0)}) == (1 + 2 + 3 + 4) + 12 * 5
+    ids = jnp.array([[0, 0, 0, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2]], jnp.int32)
+    pairs = bench.attended_pairs(case, {"q_segment_ids": ids, "kv_segment_ids": ids})
+    assert pairs == 3 * 4 / 2 + 2 * 3 / 2 + 11 * 12 / 2
+
+
+def test_packed_segment_ids_cover_all_documents():
+    ids = bench.packed_segment_ids(jax.random.key(1), 1024, 12)
+    assert ids.shape == (1, 1024)
+    counts = jnp.bincount(ids[0], length=12)
+    assert int(counts.min()) >= 1 and int(counts.sum()) == 1024
+    assert bool(jnp.all(jnp.diff(ids[0]) >= 0))
+
+
+def test_parse_helpers():
+    assert bench.parse_case("2x8192x32x8x128") == (2, 8192, 32, 8, 128)
+    assert [bench.parse_seq(s) for s in ("32k", "1M", "300")] == [32768, 1 << 20, 300]
+    assert bench.seq_label(4 << 20) == "4M"
+
+
+@pytest.mark.parametrize("opts", [
+    dict(causal=False),
+    dict(causal=True),
+    dict(causal=True, window=(5, 0)),
+    dict(causal=False, window=(3, 2)),
+    dict(causal=True, softcap=5.0),
+    dict(causal=True, segments=True),
+])
+def test_reference_rows_matches_reference_attention(opts):
+    """The sampled-row reference equals the library's full reference, sliced."""
+    import pallas_flash
+
+    opts = dict(opts)
+    key = jax.random.key(0)
+    kq, kk, kv, ks = jax.random.split(key, 4)
+    b, s, hq, hkv, d = 2, 40, 4, 2, 16
+    q = jax.random.normal(kq, (b, s, hq, d), jnp.float32)
+    k = jax.random.normal(kk, (b, s, hkv, d), jnp.float32)
+    v = jax.random.normal(kv, (b, s, hkv, d), jnp.float32)
+    if opts.pop("segments", False):
+        ids = jnp.broadcast_to(bench.packed_segment_ids(ks, s, 4), (b, s))
+        opts.update(q_segment_ids=ids, kv_segment_ids=ids)
+    rows = jnp.array([0, 3, 17, 39])
+    got = bench.reference_rows(q, k, v, rows, **opts)
+    want = pallas_flash.reference_attention(q, k, v, **opts)[:, rows]
+    assert jnp.allclose(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    result = bench.main(["--smoke", "--out", str(out)])
+    return result, out
+
+
+def test_smoke_writes_json(smoke):
+    result, out = smoke
+    files = list(out.glob("bench_*.json"))
+    assert len(files) == 1
+    saved = json.loads(files[0].read_text())
+    assert saved["meta"]["jax_version"] == jax.__version__
+    assert saved["meta"]["gpu"] and saved["meta"]["date_utc"]
+    assert saved["complete"] is True
+    impls = {(r["impl"], r["causal"]) for r in saved["results"]}
+    assert {i for i, _ in impls} == {"pallas_flash", "cudnn", "xla"}
+    assert len(saved["results"]) == len(impls)  # one row per (impl, causal)
+    assert not list(out.glob("*.png"))  # no plot unless asked
+
+
+def _finite_positive(x):
+    return x is not None and math.isfinite(x) and x > 0
+
+
+def test_smoke_numbers(smoke):
+    result, _ = smoke
+    for r in result["results"]:
+        if r["impl"] == "cudnn":
+            continue
+        assert r["status"] == "ok", r
+        for field in ("fwd_ms", "fwdbwd_ms", "fwd_tflops", "fwdbwd_tflops", "err_vs_ref"):
+            assert _finite_positive(r[field]), (r["impl"], field, r[field])
+        assert r["ref_rows"] < r["seq"]  # the sampled-row path was exercised
+
+
+def test_smoke_cudnn_is_an_error_row_on_cpu(smoke):
+    result, _ = smoke
+    if jax.default_backend() != "cpu":
+        pytest.skip("cuDNN may work here")
+    rows = [r for r in result["results"] if r["impl"] == "cudnn"]
+    assert rows and all(r["status"] == "error" and r["error"] for r in rows)
+    assert all(r["err_vs_cudnn"] is None for r in result["results"])
+
+
+def test_smoke_accuracy(smoke):
+    result, _ = smoke
+    for r in result["results"]:
+        if r["impl"] in ("pallas_flash", "xla"):
+            assert r["err_vs_ref"] < 2e-2, r
+
+
+def test_failing_impl_does_not_stop_the_run(tmp_path, monkeypatch):
+    def boom(q, k, v, causal, **kw):
+        raise RuntimeError("kaboom\nsecond line")
+
+    monkeypatch.setitem(bench.IMPLS, "boom", boom)
+    result = bench.main(["--smoke", "--impls", "boom,xla", "--causal", "no",
+                         "--out", str(tmp_path)])
+    by_impl = {r["impl"]: r for r in result["results"]}
+    assert by_impl["boom"]["status"] == "error"
+    assert by_impl["boom"]["error"] == "RuntimeError: kaboom"
+    assert by_impl["xla"]["status"] == "ok"
+    assert "error: RuntimeError: kaboom" in bench.format_table(result["results"])
+
+
+def test_memory_mode_runs_children(tmp_path):
+    """Plumbing of --memory: one fresh subprocess per point, JSON back."""
+    result = bench.main(["--memory", "--memory-seqs", "256", "--impls", "xla",
+                         "--no-plot", "--out", str(tmp_path)])
+    (point,) = result["memory"]["points"]
+    assert point["status"] == "ok", point
+    assert point["floor_bytes"] == 8 * 256 * 16 * 128 * 2
+    assert point["step_s"] > 0
+    assert result["memory"]["longest_seq_ok"] == {"xla": 256}
+    assert list(tmp_path.glob("memory_*.json"))
+
+
+def test_variants_small(tmp_path, monkeypatch):
+    """Variant plumbing on tiny shapes: options reach each impl, plain row, n.a. rows."""
+    monkeypatch.setattr(bench, "WINDOW", (12, 0))
+    monkeypatch.setattr(bench, "variant_cases", lambda: [
+        bench.Case(1, 64, 1, 1, 16, True, "packed"),
+        bench.Case(1, 64, 1, 1, 16, True, "window"),
+        bench.Case(1, 64, 1, 1, 16, True, "softcap"),
+    ])
+    result = bench.main(["--smoke", "--cases", "none", "--variants",
+                         "--impls", "pallas_flash,xla", "--out", str(tmp_path)])
+    rows = {(r["variant"], r["impl"]): r for r in result["results"]}
+    assert len(rows) == 9
+    assert rows[("softcap", "xla")]["status"] == "n.a."
+    for (variant, impl), r in rows.items():
+        if r["status"] == "n.a.":
+            continue
+        assert r["status"] == "ok", r
+        # xla expresses segments as a dense mask and the window through
+        # local_window_size: agreeing with the reference checks the translation.
+        assert r["err_vs_ref"] < 2e-2, r
+        if impl == bench.PLAIN:
+            assert r["fwd_flops"] == bench.attention_flops(1, 64, 64, 1, 16, True)
+        elif variant != "softcap":
+            assert r["fwd_flops"] < bench.attention_flops(1, 64, 64, 1, 16, True)
+    assert "n.a.: no softcap" in bench.format_table(result["results"])

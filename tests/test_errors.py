@@ -1,0 +1,200 @@
+"""Every invalid input raises a ValueError naming the argument, before any kernel is traced."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import pallas_flash as pf
+from pallas_flash.triton import forward as triton_forward
+
+
+@pytest.fixture(autouse=True)
+def no_kernel(monkeypatch):
+    """Any kernel launch during these tests is itself a failure: checks must come first."""
+
+    def fail(*args, **kwargs):
+        raise AssertionError("a kernel was reached before the input was rejected")
+
+    monkeypatch.setattr(triton_forward, "forward", fail)
+
+
+def qkv(shape_q=(1, 8, 4, 16), shape_kv=(1, 8, 2, 16), dtype=jnp.float32):
+    q = jnp.ones(shape_q, dtype)
+    k = jnp.ones(shape_kv, dtype)
+    return q, k, k
+
+
+def raises(match, *args, **kwargs):
+    with pytest.raises(ValueError, match=match):
+        pf.flash_attention(*args, **kwargs)
+
+
+def test_rank():
+    q, k, v = qkv()
+    raises(r"q must have rank 4 .* got shape \(8, 4, 16\)", q[0], k, v)
+    raises(r"k must have rank 4", q, k[0], v)
+    raises(r"v must have rank 4", q, k, v[..., None])
+
+
+def test_not_an_array():
+    q, k, v = qkv()
+    raises(r"k must be an array, got list", q, [[1.0]], v)
+
+
+def test_non_float_dtype():
+    q, k, v = qkv()
+    raises(r"q must be bfloat16, float16, float32 or float64, got dtype int32",
+           q.astype(jnp.int32), k, v)
+
+
+def test_mixed_dtypes():
+    q, k, v = qkv()
+    raises(r"q, k and v must share one dtype, got q float32, k bfloat16, v float32",
+           q, k.astype(jnp.bfloat16), v)
+
+
+def test_batch_mismatch():
+    q, k, v = qkv()
+    k2 = jnp.ones((2, 8, 2, 16))
+    raises(r"k batch size 2 does not match q batch size 1", q, k2, k2)
+    raises(r"v batch size 2 does not match q batch size 1", q, k, k2)
+
+
+def test_head_dim_mismatch():
+    q, k, v = qkv()
+    raises(r"k head_dim 32 does not match q head_dim 16", q, jnp.ones((1, 8, 2, 32)), v)
+    raises(r"v head_dim 32 does not match q head_dim 16", q, k, jnp.ones((1, 8, 2, 32)))
+
+
+def test_v_shape_differs_from_k():
+    q, k, v = qkv()
+    raises(r"v must have the seq_kv and kv_heads of k", q, k, jnp.ones((1, 9, 2, 16)))
+
+
+def test_empty_dimension():
+    q, k, v = qkv()
+    raises(r"every dimension must be >= 1", q, jnp.ones((1, 0, 2, 16)), jnp.ones((1, 0, 2, 16)))
+
+
+def test_head_dim_too_large():
+    q, k, v = qkv((1, 8, 2, 272), (1, 8, 2, 272))
+    raises(r"head_dim must be <= 256, got 272", q, k, v)
+
+
+def test_heads_not_a_multiple():
+    q, k, v = qkv((1, 8, 3, 16), (1, 8, 2, 16))
+    raises(r"number of q heads \(3\) must be a multiple of the number of kv heads \(2\)", q, k, v)
+
+
+def test_causal_must_be_bool():
+    raises(r"causal must be a bool", *qkv(), causal="yes")
+
+
+def test_causal_alignment():
+    raises(r"causal_alignment must be one of", *qkv(), causal=True, causal_alignment="bottom")
+
+
+@pytest.mark.parametrize("scale", [float("inf"), 0.0])
+def test_scale_value(scale):
+    raises(r"scale must be finite and non-zero", *qkv(), scale=scale)
+
+
+def test_scale_type():
+    raises(r"scale must be a Python float", *qkv(), scale=jnp.ones(2))
+
+
+@pytest.mark.parametrize("window,match", [
+    ((1, 2, 3), r"window must be a \(left, right\) pair"),
+    ((-1, 0), r"window left must be None or an int >= 0"),
+    ((0, 1.5), r"window right must be None or an int >= 0"),
+])
+def test_window(window, match):
+    raises(match, *qkv(), window=window)
+
+
+@pytest.mark.parametrize("softcap", [0.0, -1.0, "big"])
+def test_softcap(softcap):
+    raises(r"softcap must be None or a positive float", *qkv(), softcap=softcap)
+
+
+def test_segment_ids_come_in_pairs():
+    ids = jnp.zeros((1, 8), jnp.int32)
+    raises(r"q_segment_ids and kv_segment_ids must be given together", *qkv(), q_segment_ids=ids)
+
+
+def test_segment_ids_shape_and_dtype():
+    ids = jnp.zeros((1, 8), jnp.int32)
+    raises(r"kv_segment_ids must have shape \[batch, seq\] = \(1, 8\), got \(1, 7\)", *qkv(),
+           q_segment_ids=ids, kv_segment_ids=ids[:, :7])
+    raises(r"q_segment_ids must have an integer dtype, got float32", *qkv(),
+           q_segment_ids=ids.astype(jnp.float32), kv_segment_ids=ids)
+
+
+def test_lengths_shape():
+    raises(r"kv_lengths must have shape \[batch\] = \(1,\), got \(2,\)", *qkv(),
+           kv_lengths=jnp.array([3, 4]))
+    raises(r"q_lengths must have an integer dtype", *qkv(), q_lengths=jnp.array([3.0]))
+
+
+def test_return_lse_must_be_bool():
+    raises(r"return_lse must be a bool", *qkv(), return_lse=1)
+
+
+def test_precision():
+    raises(r"precision must be None, 'default', 'high', 'highest'", *qkv(), precision="fast")
+
+
+def test_config_type():
+    raises(r"config must be a pallas_flash.FlashConfig", *qkv(), config={"block_q": 64})
+
+
+def test_backend():
+    raises(r"backend must be one of", *qkv(), backend="cuda")
+
+
+def test_interpret_must_be_bool():
+    raises(r"interpret must be None or a bool", *qkv(), interpret="auto")
+
+
+def test_float64_needs_interpret():
+    with jax.enable_x64(True):
+        raises(r"float64 run in interpret mode only", *qkv(dtype=jnp.float64), interpret=False)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(block_q=72, block_kv=64), r"KernelConfig.block_q must be a power of two"),
+    (dict(block_q=64, block_kv=8), r"KernelConfig.block_kv must be a power of two in \[16, 256\]"),
+    (dict(block_q=64, block_kv=512), r"KernelConfig.block_kv must be a power of two"),
+    (dict(block_q=64.0, block_kv=64), r"KernelConfig.block_q must be an int"),
+    (dict(block_q=64, block_kv=64, num_warps=3), r"KernelConfig.num_warps must be one of"),
+    (dict(block_q=64, block_kv=64, num_stages=0), r"KernelConfig.num_stages must be an int >= 1"),
+])
+def test_kernel_config(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        pf.KernelConfig(**kwargs)
+
+
+def test_flash_config_fields():
+    good = pf.KernelConfig(block_q=64, block_kv=64)
+    with pytest.raises(ValueError, match=r"FlashConfig.bwd_dq must be a KernelConfig"):
+        pf.FlashConfig(fwd=good, bwd_dkdv=good, bwd_dq=(64, 64))
+
+
+def test_reference_validates_too():
+    q, k, v = qkv()
+    with pytest.raises(ValueError, match=r"k must have rank 4"):
+        pf.reference_attention(q, k[0], v)
+
+
+def test_valid_input_reaches_the_kernel():
+    # The fixture's trap must be reachable, or every test above would pass vacuously.
+    with pytest.raises(AssertionError, match="a kernel was reached"):
+        pf.flash_attention(*qkv())
+
+
+def test_configs_are_hashable_and_frozen():
+    cfg = pf.default_config(128, jnp.bfloat16)
+    assert hash(cfg) == hash(pf.default_config(128, np.dtype("bfloat16")))
+    with pytest.raises(Exception):
+        cfg.fwd.block_q = 32
