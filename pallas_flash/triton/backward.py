@@ -31,9 +31,9 @@ from pallas_flash.triton import common
 __all__ = ["backward"]
 
 
-def _load_lse2(ref, start, block, n_rows):
+def _load_lse2(ref, start, block, n_rows, head=None):
     """Base-2 lse of a query block; -inf (saw nothing) and rows past the end become +inf."""
-    lse = common.load_vector(ref, start, block, n_rows, other=jnp.inf)
+    lse = common.load_vector(ref, start, block, n_rows, head=head, other=jnp.inf)
     return jnp.where(lse == -jnp.inf, jnp.inf, lse) * common.LOG2E
 
 
@@ -74,16 +74,13 @@ def _dkdv_kernel(*refs, spec: AttentionSpec, group: int, block_q: int, block_kv:
     bounds = common.block_range(bounds, lo_ref, hi_ref)
 
     def head_step(g, carry):
-        q_head, do_head = q_ref.at[:, g, :], do_ref.at[:, g, :]
-        lse_head, delta_head = lse_ref.at[g, :], delta_ref.at[g, :]
-
         def step(i, carry, masked):
             dk, dv = carry
             q_start = i * block_q
-            q = common.load_tile(q_head, q_start, block_q, mask.seq_q, cols)
-            do = common.load_tile(do_head, q_start, block_q, mask.seq_q, cols)
-            lse2 = _load_lse2(lse_head, q_start, block_q, mask.seq_q)
-            delta = common.load_vector(delta_head, q_start, block_q, mask.seq_q, other=0.0)
+            q = common.load_tile(q_ref, q_start, block_q, mask.seq_q, cols, head=g)
+            do = common.load_tile(do_ref, q_start, block_q, mask.seq_q, cols, head=g)
+            lse2 = _load_lse2(lse_ref, q_start, block_q, mask.seq_q, head=g)
+            delta = common.load_vector(delta_ref, q_start, block_q, mask.seq_q, head=g, other=0.0)
             vis = None
             if masked:
                 q_ids = None

@@ -53,17 +53,21 @@ def row_positions(start, block: int):
     return start + jnp.arange(block, dtype=jnp.int32)
 
 
-def _tile(ref, start, block: int):
-    # Both index starts spelled as int32: under jax_enable_x64 a bare `:` would become an int64
-    # start next to our int32 row start, and Pallas rejects mixed index dtypes.
-    return ref.at[pl.ds(start, block), pl.ds(jnp.int32(0), ref.shape[-1])]
+def _tile(ref, start, block: int, head=None):
+    # One indexer per access: the Triton lowering takes no chained `.at[...]` ("No support for
+    # multiple indexers yet"). Every start is int32: under jax_enable_x64 a bare `:` would be an
+    # int64 start next to our int32 ones, and Pallas rejects mixed index dtypes.
+    rows = pl.ds(start, block)
+    cols = pl.ds(jnp.int32(0), ref.shape[-1])
+    return ref.at[rows, cols] if head is None else ref.at[rows, head, cols]
 
 
-def load_tile(ref, start, block: int, n_rows: int, cols, *, other=0.0):
-    """Rows [start, start + block) of a [seq, head_dim_padded] ref; rows >= n_rows read `other`."""
+def load_tile(ref, start, block: int, n_rows: int, cols, *, head=None, other=0.0):
+    """Rows [start, start + block) of a [seq, head_dim_padded] ref (or [seq, heads, hdp] at
+    `head`); rows >= n_rows read `other`."""
     rows_ok = (row_positions(start, block) < n_rows)[:, None]
     mask = rows_ok if cols is None else rows_ok & cols
-    return plgpu.load(_tile(ref, start, block), mask=mask, other=other)
+    return plgpu.load(_tile(ref, start, block, head), mask=mask, other=other)
 
 
 def store_tile(ref, start, block: int, n_rows: int, cols, value):
@@ -72,10 +76,13 @@ def store_tile(ref, start, block: int, n_rows: int, cols, value):
     plgpu.store(_tile(ref, start, block), value.astype(ref.dtype), mask=mask)
 
 
-def load_vector(ref, start, block: int, n_rows: int, *, other):
-    """Entries [start, start + block) of a 1-D ref (lse, delta, segment ids)."""
+def load_vector(ref, start, block: int, n_rows: int, *, head=None, other):
+    """Entries [start, start + block) of a [seq] ref (lse, delta, segment ids), or of row
+    `head` of a [heads, seq] ref."""
     ok = row_positions(start, block) < n_rows
-    return plgpu.load(ref.at[pl.ds(start, block)], mask=ok, other=other)
+    index = pl.ds(start, block)
+    view = ref.at[index] if head is None else ref.at[head, index]
+    return plgpu.load(view, mask=ok, other=other)
 
 
 def _dot_precision(spec: AttentionSpec, dtype):
