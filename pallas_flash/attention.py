@@ -152,7 +152,8 @@ def flash_attention(
 
 @functools.lru_cache(maxsize=None)
 def _custom_vjp_attention(spec: AttentionSpec):
-    """One custom_vjp function per static spec: the spec is closed over, never an argument."""
+    """One jitted custom_vjp function per static spec: the spec is closed over, never an
+    argument, and the jit makes repeated calls with the same shapes trace only once."""
 
     @jax.custom_vjp
     def attention(q, k, v, q_ids, kv_ids):
@@ -171,4 +172,4 @@ def _custom_vjp_attention(spec: AttentionSpec):
         return dq, dk, dv, None, None
 
     attention.defvjp(attention_fwd, attention_bwd)
-    return attention
+    return jax.jit(attention)

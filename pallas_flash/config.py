@@ -80,24 +80,36 @@ class FlashConfig:
 def default_config(head_dim: int, dtype) -> FlashConfig:
     """The tiles we use when the caller gives none, chosen by head_dim and dtype.
 
-    The numbers come from the H200 sweep recorded in benchmarks/NOTES.md (jax 0.11.2, bf16,
-    seq 8k-16k). Register pressure grows with head_dim, so the tiles shrink as it grows; float32
-    and float64 operands take twice and four times the registers and shared memory of bf16, so
-    they take the next smaller tile.
+    Measured with benchmarks/tune.py on our H200 (jax 0.11.2, bf16, batch 2, seq 8192, 16 heads
+    at head_dim 128; each kernel's tile swept with the others fixed; benchmarks/NOTES.md has the
+    table):
+      * forward, head_dim 128: 128x128, 8 warps, 3 stages ran 399 TFLOP/s non-causal and 337
+        causal (2.76 + 1.63 ms), the best sum; 64x64 ran 346 / 351 (3.18 + 1.57 ms).
+      * dK/dV, head_dim 128: 64 queries x 64 keys, 4 warps, 2 stages made the whole backward
+        8.0 ms (342 TFLOP/s) against 14.3 ms for 64x128 with 8 warps, the runner-up family
+        (32x64 / 32x128) at 11 ms.
+      * dQ, head_dim 128: 64x64, 4 warps, 2 stages was the fastest of seven, within 3% of 128x64.
+      * head_dim 64: the forward sweep put 64x64 (341) and 64x128 (343) on top; the backward
+        tiles follow head_dim 128's, since its sweep did not finish in the lease.
+      * head_dim 256: not swept yet. The tiles are sized so that the float32 accumulators fit
+        in registers (a 64x256 float32 tile is 64 KiB, i.e. 128 registers per thread at 4 warps)
+        and double-buffered K/V tiles fit in shared memory.
+    float32 (and float64) operands take twice (four times) the registers and shared memory of
+    bf16, so they take the next smaller tile with 2 stages.
     """
     wide = jnp.dtype(dtype).itemsize >= 4
     if head_dim <= 64:
-        fwd = KernelConfig(block_q=128, block_kv=64, num_warps=4, num_stages=3)
-        dkdv = KernelConfig(block_q=64, block_kv=128, num_warps=8, num_stages=2)
-        dq = KernelConfig(block_q=128, block_kv=64, num_warps=8, num_stages=2)
+        fwd = KernelConfig(block_q=64, block_kv=64, num_warps=4, num_stages=3)
+        dkdv = KernelConfig(block_q=64, block_kv=64, num_warps=4, num_stages=2)
+        dq = KernelConfig(block_q=64, block_kv=64, num_warps=4, num_stages=2)
     elif head_dim <= 128:
-        fwd = KernelConfig(block_q=128, block_kv=64, num_warps=8, num_stages=3)
-        dkdv = KernelConfig(block_q=64, block_kv=128, num_warps=8, num_stages=2)
-        dq = KernelConfig(block_q=128, block_kv=64, num_warps=8, num_stages=2)
+        fwd = KernelConfig(block_q=128, block_kv=128, num_warps=8, num_stages=3)
+        dkdv = KernelConfig(block_q=64, block_kv=64, num_warps=4, num_stages=2)
+        dq = KernelConfig(block_q=64, block_kv=64, num_warps=4, num_stages=2)
     else:
-        fwd = KernelConfig(block_q=64, block_kv=32, num_warps=4, num_stages=2)
-        dkdv = KernelConfig(block_q=32, block_kv=64, num_warps=8, num_stages=1)
-        dq = KernelConfig(block_q=64, block_kv=32, num_warps=8, num_stages=1)
+        fwd = KernelConfig(block_q=64, block_kv=64, num_warps=8, num_stages=2)
+        dkdv = KernelConfig(block_q=32, block_kv=64, num_warps=8, num_stages=2)
+        dq = KernelConfig(block_q=64, block_kv=32, num_warps=8, num_stages=2)
     if wide:
         fwd, dkdv, dq = (_halve(c) for c in (fwd, dkdv, dq))
     return FlashConfig(fwd=fwd, bwd_dkdv=dkdv, bwd_dq=dq)
@@ -108,4 +120,5 @@ def _halve(cfg: KernelConfig) -> KernelConfig:
         cfg,
         block_q=max(_MIN_BLOCK, cfg.block_q // 2),
         block_kv=max(_MIN_BLOCK, cfg.block_kv // 2),
+        num_stages=min(cfg.num_stages, 2),
     )

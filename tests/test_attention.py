@@ -6,6 +6,9 @@ import pytest
 
 from helpers import check_against_reference, random_inputs
 
+# float32 with precision="highest": float32 rounding only, on the CPU and the GPU alike.
+F32_EXACT = 1e-5
+
 # (batch, seq_q, seq_kv, q_heads, kv_heads, head_dim): single tokens, odd and unequal lengths,
 # lengths one past and one short of a tile, MHA / GQA / MQA, head dims that are not powers of two.
 SHAPES = [
@@ -29,7 +32,19 @@ def _ids(shape):
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("shape", SHAPES, ids=_ids)
 def test_matches_reference_float32(shape, causal):
+    # Full float32 matmuls, so that the kernel's own arithmetic is held to float32 accuracy on
+    # every shape (on the CPU this is the only mode). The tf32 default is tested below.
     q, k, v, do = random_inputs(jax.random.PRNGKey(hash(shape) % 2**31), *shape, jnp.float32)
+    check_against_reference(q, k, v, do, causal=causal, precision="highest", tol=F32_EXACT)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("shape", [SHAPES[2], SHAPES[5], SHAPES[7]], ids=_ids)
+def test_matches_reference_float32_default_precision(shape, causal):
+    # The default lets the GPU run float32 matmuls as tf32, as XLA does; the table's float32
+    # tolerance is the tf32 one there. (At seq 1 the backward's dP - D cancels to ~0 and tf32's
+    # error in dP dominates dQ: a property of tf32, covered by the "highest" test above.)
+    q, k, v, do = random_inputs(jax.random.PRNGKey(17), *shape, jnp.float32)
     check_against_reference(q, k, v, do, causal=causal)
 
 
@@ -59,9 +74,6 @@ def test_scale_is_used():
     check_against_reference(q, k, v, do, causal=True, scale=0.37)
 
 
-def test_highest_precision_float32():
-    q, k, v, do = random_inputs(jax.random.PRNGKey(6), 1, 70, 70, 2, 2, 64, jnp.float32)
-    check_against_reference(q, k, v, do, precision="highest", tol=1e-5)
 
 
 @pytest.mark.slow
