@@ -7,8 +7,15 @@ a GPU run cannot silently fall back to the interpreter.
 
 import os
 
-import jax
-import pytest
+# Four CPU devices for the sharding and ring-attention tests. XLA reads this once, when JAX
+# initialises its CPU backend, so it must be set before the first `import jax`. It changes
+# nothing on a GPU, and single-device tests keep using device 0.
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                               + " --xla_force_host_platform_device_count=4").strip()
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
 
 
 def pytest_addoption(parser):
