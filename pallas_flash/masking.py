@@ -152,6 +152,35 @@ def make_mask_spec(
     return MaskSpec(seq_q=seq_q, seq_kv=seq_kv, offset=offset, left=left, right=right)
 
 
+def with_segment_range(bounds, seg_lo, seg_hi):
+    """Intersects loop bounds with a segment-derived block range [seg_lo, seg_hi).
+
+    With segment ids every visited block is masked (ids are data), so the unmasked middle range
+    collapses to empty.
+    """
+    lo, _, _, hi = bounds
+    lo = jnp.maximum(lo, seg_lo)
+    hi = jnp.maximum(jnp.minimum(hi, seg_hi), lo)
+    return lo, lo, lo, hi
+
+
+def visited_kv_blocks(spec: MaskSpec, block_q: int, block_kv: int, q_ids=None, kv_ids=None):
+    """Cost model: how many (query block, key block) tiles the forward kernel visits.
+
+    It evaluates the very bounds the kernel loops over, for every query block (and batch row,
+    with segment ids), so a test can show that masked-out tiles are skipped, not computed.
+    Returns an int array [batch] (or a scalar without ids).
+    """
+    n_q = -(-spec.seq_q // block_q)
+    starts = jnp.arange(n_q, dtype=jnp.int32) * block_q
+    bounds = jax.vmap(lambda s: spec.kv_blocks(s, block_q, block_kv, spec.seq_kv))(starts)
+    if q_ids is None:
+        return jnp.sum(bounds[3] - bounds[0])
+    seg_lo, seg_hi = segment_block_ranges(q_ids, kv_ids, block_q, block_kv)
+    per_batch = jax.vmap(lambda lo, hi: with_segment_range(bounds, lo, hi))(seg_lo, seg_hi)
+    return jnp.sum(per_batch[3] - per_batch[0], axis=1)
+
+
 def _relu(x):
     return jnp.maximum(x, jnp.int32(0))
 

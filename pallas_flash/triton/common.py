@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_flash.masking import with_segment_range
 from pallas_flash.spec import AttentionSpec
 
 LOG2E = math.log2(math.e)
@@ -116,17 +117,10 @@ def tile_visible(spec: AttentionSpec, q_pos, k_pos, q_ids=None, kv_ids=None):
 
 
 def block_range(bounds, seg_lo_ref, seg_hi_ref):
-    """Tightens the static loop bounds with the segment-derived ones, when segments are given.
-
-    With segment ids every visited block is masked (ids are data), so the unmasked middle
-    range collapses to empty.
-    """
-    lo, full_lo, full_hi, hi = bounds
+    """The loop bounds, tightened by the segment-derived range when segment ids are given."""
     if seg_lo_ref is None:
-        return lo, full_lo, full_hi, hi
-    lo = jnp.maximum(lo, seg_lo_ref[()])
-    hi = jnp.maximum(jnp.minimum(hi, seg_hi_ref[()]), lo)
-    return lo, lo, lo, hi
+        return bounds
+    return with_segment_range(bounds, seg_lo_ref[()], seg_hi_ref[()])
 
 
 def three_phase_loop(bounds, body, carry):
