@@ -35,6 +35,12 @@ DKDV = [(64, 128, 8, 2), (64, 64, 4, 2), (32, 128, 4, 2), (64, 128, 4, 3), (128,
 DQ = [(128, 64, 8, 2), (64, 64, 4, 2), (128, 32, 8, 2), (64, 128, 8, 2), (128, 64, 4, 3),
       (128, 128, 8, 2), (64, 64, 4, 3)]
 
+# head_dim 256: the accumulators are twice as wide, so smaller tiles; each of these is also in
+# tests/test_attention.py's explicit-tile test, so a winner can become a default safely.
+FWD_256 = [(64, 64, 8, 2), (64, 32, 4, 2), (128, 32, 8, 2), (32, 32, 4, 3), (64, 32, 8, 2)]
+DKDV_256 = [(32, 64, 8, 2), (32, 32, 4, 2), (16, 64, 4, 2), (32, 32, 8, 2)]
+DQ_256 = [(64, 32, 8, 2), (32, 32, 4, 2), (64, 16, 4, 2), (64, 32, 4, 2)]
+
 
 def timeit(fn, *args, iters=10):
     for _ in range(2):
@@ -62,7 +68,8 @@ def sweep(batch, seq, heads, head_dim, causal, results):
     out, lse = jax.jit(lambda q, k, v: tf.forward(spec_for(seq, head_dim, causal, base), q, k, v))(q, k, v)
     dlse = jnp.zeros_like(lse)
     tag = f"d{head_dim} s{seq} {'causal' if causal else 'full'}"
-    for kind, cands, share in (("fwd", FWD, 1.0), ("dkdv", DKDV, 2.5), ("dq", DQ, 2.5)):
+    lists = (FWD_256, DKDV_256, DQ_256) if head_dim == 256 else (FWD, DKDV, DQ)
+    for kind, cands, share in zip(("fwd", "dkdv", "dq"), lists, (1.0, 2.5, 2.5)):
         for c in cands:
             kc = KernelConfig(*c)
             cfg = FlashConfig(fwd=kc if kind == "fwd" else base.fwd,
@@ -88,11 +95,12 @@ def main():
     parser.add_argument("--head-dims", default="64,128,256")
     parser.add_argument("--seq", type=int, default=8192)
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    parser.add_argument("--causal", choices=("both", "yes", "no"), default="both")
     args = parser.parse_args()
     results = {"rows": []}
     for d in map(int, args.head_dims.split(",")):
         heads = {64: 32, 128: 16, 256: 8}.get(d, 16)
-        for causal in (False, True):
+        for causal in {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]:
             sweep(2, args.seq, heads, d, causal, results)
     rows = results["rows"]
     with open(os.path.join(args.out, "tune.json"), "w") as f:

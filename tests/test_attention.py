@@ -4,6 +4,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+import pallas_flash as pf
+
 from helpers import check_against_reference, random_inputs
 
 # float32 with precision="highest": float32 rounding only, on the CPU and the GPU alike.
@@ -81,3 +83,26 @@ def test_scale_is_used():
 def test_long_unequal(causal):
     q, k, v, do = random_inputs(jax.random.PRNGKey(8), 1, 1023, 1024, 2, 1, 64, jnp.bfloat16)
     check_against_reference(q, k, v, do, causal=causal)
+
+
+# Tiles other than the defaults must be just as correct: every tile the sweep (benchmarks/tune.py)
+# may promote to a default is listed here, so the compiled GPU run has already checked it.
+def _cfg(fwd, dkdv, dq):
+    return pf.FlashConfig(fwd=pf.KernelConfig(*fwd), bwd_dkdv=pf.KernelConfig(*dkdv),
+                          bwd_dq=pf.KernelConfig(*dq))
+
+
+CONFIGS = {
+    "d256_small": (256, _cfg((64, 32, 4, 2), (32, 32, 4, 2), (32, 32, 4, 2))),
+    "d256_wide_q": (256, _cfg((128, 32, 8, 2), (16, 64, 4, 2), (64, 16, 4, 2))),
+    "d256_square": (256, _cfg((32, 32, 4, 3), (32, 32, 8, 2), (64, 32, 4, 2))),
+    "d128_big": (128, _cfg((128, 128, 8, 3), (128, 128, 8, 2), (128, 128, 8, 2))),
+    "d64_tall": (64, _cfg((16, 256, 4, 2), (256, 16, 4, 2), (16, 128, 2, 1))),
+}
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_explicit_tiles(name):
+    head_dim, config = CONFIGS[name]
+    q, k, v, do = random_inputs(jax.random.PRNGKey(9), 1, 150, 170, 2, 1, head_dim, jnp.bfloat16)
+    check_against_reference(q, k, v, do, causal=True, config=config)
