@@ -52,12 +52,9 @@ def _probabilities_and_ds(spec, q, k, v, do, lse2, delta, vis):
 
 def _dkdv_kernel(*refs, spec: AttentionSpec, group: int, block_q: int, block_kv: int,
                  head_dim: int):
-    if spec.has_segments:
-        (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_ids_ref, kv_ids_ref, lo_ref, hi_ref,
-         dk_ref, dv_ref) = refs
-    else:
-        q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref = refs
-        q_ids_ref = kv_ids_ref = lo_ref = hi_ref = None
+    (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref), segment_refs, (dk_ref, dv_ref) = (
+        common.split_refs(refs, 6, spec.has_segments))
+    q_ids_ref, kv_ids_ref, lo_ref, hi_ref = segment_refs
     mask = spec.mask
     acc_dtype = common.accumulator_dtype(q_ref.dtype)
     d_pad = q_ref.shape[-1]
@@ -102,12 +99,9 @@ def _dkdv_kernel(*refs, spec: AttentionSpec, group: int, block_q: int, block_kv:
 
 
 def _dq_kernel(*refs, spec: AttentionSpec, block_q: int, block_kv: int, head_dim: int):
-    if spec.has_segments:
-        (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_ids_ref, kv_ids_ref, lo_ref, hi_ref,
-         dq_ref) = refs
-    else:
-        q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref = refs
-        q_ids_ref = kv_ids_ref = lo_ref = hi_ref = None
+    (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref), segment_refs, (dq_ref,) = (
+        common.split_refs(refs, 6, spec.has_segments))
+    q_ids_ref, kv_ids_ref, lo_ref, hi_ref = segment_refs
     mask = spec.mask
     acc_dtype = common.accumulator_dtype(q_ref.dtype)
     d_pad = q_ref.shape[-1]
@@ -167,11 +161,11 @@ def backward(spec: AttentionSpec, q, k, v, out, lse, do, dlse, q_ids=None, kv_id
     in_specs = [group_q, own_kv, own_kv, group_q, group_rows, group_rows]
     args = [q, k, v, do, lse, delta]
     if spec.has_segments:
+        # Per key block: the query blocks whose ids may match.
         lo, hi = segment_block_ranges(kv_ids, q_ids, block_kv, block_q)
-        per_tile = pl.BlockSpec((None, None), lambda j, b, h: (b, j))
-        in_specs += [pl.BlockSpec((None, seq_q), lambda j, b, h: (b, 0)),
-                     pl.BlockSpec((None, seq_kv), lambda j, b, h: (b, 0)), per_tile, per_tile]
-        args += [q_ids, kv_ids, lo, hi]
+        seg_specs, seg_args = common.segment_operands(q_ids, kv_ids, lo, hi)
+        in_specs += seg_specs
+        args += seg_args
     dk, dv = pl.pallas_call(
         functools.partial(_dkdv_kernel, spec=spec, group=group, block_q=block_q,
                           block_kv=block_kv, head_dim=head_dim),
@@ -195,10 +189,9 @@ def backward(spec: AttentionSpec, q, k, v, out, lse, do, dlse, q_ids=None, kv_id
     args = [q, k, v, do, lse, delta]
     if spec.has_segments:
         lo, hi = segment_block_ranges(q_ids, kv_ids, block_q, block_kv)
-        per_tile = pl.BlockSpec((None, None), lambda i, b, h: (b, i))
-        in_specs += [pl.BlockSpec((None, seq_q), lambda i, b, h: (b, 0)),
-                     pl.BlockSpec((None, seq_kv), lambda i, b, h: (b, 0)), per_tile, per_tile]
-        args += [q_ids, kv_ids, lo, hi]
+        seg_specs, seg_args = common.segment_operands(q_ids, kv_ids, lo, hi)
+        in_specs += seg_specs
+        args += seg_args
     dq = pl.pallas_call(
         functools.partial(_dq_kernel, spec=spec, block_q=block_q, block_kv=block_kv,
                           head_dim=head_dim),

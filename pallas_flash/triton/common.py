@@ -116,6 +116,30 @@ def tile_visible(spec: AttentionSpec, q_pos, k_pos, q_ids=None, kv_ids=None):
     return vis
 
 
+def split_refs(refs, n_inputs: int, has_segments: bool):
+    """Kernel refs -> (inputs, segment refs, outputs).
+
+    Every kernel here takes its dense inputs first, then, with segment ids, four more refs (the
+    query ids, the key ids, and this tile's [lo, hi) block range), then its outputs. The segment
+    refs come back as four Nones without segment ids.
+    """
+    inputs, rest = refs[:n_inputs], refs[n_inputs:]
+    if has_segments:
+        return inputs, rest[:4], rest[4:]
+    return inputs, (None,) * 4, rest
+
+
+def segment_operands(q_ids, kv_ids, lo, hi):
+    """BlockSpecs and operands that `split_refs` expects after the dense inputs.
+
+    All grids here are (tile, batch, head): the id rows are per batch, the range per tile.
+    """
+    whole_row = lambda seq: pl.BlockSpec((None, seq), lambda t, b, h: (b, 0))  # noqa: E731
+    per_tile = pl.BlockSpec((None, None), lambda t, b, h: (b, t))
+    specs = [whole_row(q_ids.shape[1]), whole_row(kv_ids.shape[1]), per_tile, per_tile]
+    return specs, [q_ids, kv_ids, lo, hi]
+
+
 def block_range(bounds, seg_lo_ref, seg_hi_ref):
     """The loop bounds, tightened by the segment-derived range when segment ids are given."""
     if seg_lo_ref is None:

@@ -32,11 +32,9 @@ __all__ = ["forward"]
 
 
 def _forward_kernel(*refs, spec: AttentionSpec, block_q: int, block_kv: int, head_dim: int):
-    if spec.has_segments:
-        q_ref, k_ref, v_ref, q_ids_ref, kv_ids_ref, lo_ref, hi_ref, o_ref, lse_ref = refs
-    else:
-        q_ref, k_ref, v_ref, o_ref, lse_ref = refs
-        q_ids_ref = kv_ids_ref = lo_ref = hi_ref = None
+    (q_ref, k_ref, v_ref), segment_refs, (o_ref, lse_ref) = common.split_refs(
+        refs, 3, spec.has_segments)
+    q_ids_ref, kv_ids_ref, lo_ref, hi_ref = segment_refs
     mask = spec.mask
     acc_dtype = common.accumulator_dtype(q_ref.dtype)
     cols = common.column_mask(head_dim, q_ref.shape[-1])
@@ -106,14 +104,9 @@ def forward(spec: AttentionSpec, q, k, v, q_ids=None, kv_ids=None):
     args = [q, k, v]
     if spec.has_segments:
         lo, hi = segment_block_ranges(q_ids, kv_ids, block_q, block_kv)
-        per_tile = pl.BlockSpec((None, None), lambda i, b, h: (b, i))
-        in_specs += [
-            pl.BlockSpec((None, seq_q), lambda i, b, h: (b, 0)),
-            pl.BlockSpec((None, seq_kv), lambda i, b, h: (b, 0)),
-            per_tile,
-            per_tile,
-        ]
-        args += [q_ids, kv_ids, lo, hi]
+        seg_specs, seg_args = common.segment_operands(q_ids, kv_ids, lo, hi)
+        in_specs += seg_specs
+        args += seg_args
 
     lse_dtype = common.accumulator_dtype(q.dtype)
     kernel = functools.partial(
