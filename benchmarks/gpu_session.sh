@@ -12,7 +12,7 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu,memory.used 
 TESTS=${1:-"tests"}
 BENCH=${2:-""}
 if [ "$TESTS" != "skip" ]; then
-  timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -q --compiled -p no:cacheprovider -n 4 \
+  timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -q --compiled -p no:cacheprovider -n "${WORKERS:-4}" \
     --maxfail=20 $TESTS > "$OUT/tests.log" 2>&1
   echo "pytest exit: $?" >> "$OUT/tests.log"
 fi
