@@ -140,6 +140,15 @@ def segment_operands(q_ids, kv_ids, lo, hi):
     return specs, [q_ids, kv_ids, lo, hi]
 
 
+def zero_unseen_rows(x, seen):
+    """Rows of an operand tile that no pair of the tile uses, set to 0.
+
+    A masked weight is 0, but 0 * NaN is NaN: without this, garbage (NaN, inf) in padding or in
+    rows a tile never attends would leak into the block matmuls. Only masked tiles pay for it.
+    """
+    return jnp.where(seen[:, None], x, jnp.zeros_like(x))
+
+
 def block_range(bounds, seg_lo_ref, seg_hi_ref):
     """The loop bounds, tightened by the segment-derived range when segment ids are given."""
     if seg_lo_ref is None:

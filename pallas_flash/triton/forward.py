@@ -57,7 +57,9 @@ def _forward_kernel(*refs, spec: AttentionSpec, block_q: int, block_kv: int, hea
             if kv_ids_ref is not None:
                 kv_ids = common.load_vector(kv_ids_ref, k_start, block_kv, mask.seq_kv, other=-2)
             k_pos = common.row_positions(k_start, block_kv)
-            s2 = jnp.where(common.tile_visible(spec, q_pos, k_pos, q_ids, kv_ids), s2, -jnp.inf)
+            vis = common.tile_visible(spec, q_pos, k_pos, q_ids, kv_ids)
+            s2 = jnp.where(vis, s2, -jnp.inf)
+            v = common.zero_unseen_rows(v, jnp.any(vis, axis=0))
         m_new = jnp.maximum(m, jnp.max(s2, axis=1))
         m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
         alpha = jnp.exp2(m - m_safe)
@@ -75,7 +77,8 @@ def _forward_kernel(*refs, spec: AttentionSpec, block_q: int, block_kv: int, hea
     bounds = common.block_range(bounds, lo_ref, hi_ref)
     acc, m, l = common.three_phase_loop(bounds, step, init)
 
-    seen = l > 0
+    # `l != 0` rather than `l > 0`: a NaN row must stay NaN (lse too), not pass for empty.
+    seen = l != 0
     out = acc / jnp.where(seen, l, 1.0)[:, None]
     lse = jnp.where(seen, (m + jnp.log2(jnp.where(seen, l, 1.0))) * common.LN2, -jnp.inf)
     common.store_tile(o_ref, q_start, block_q, mask.seq_q, cols, out)
