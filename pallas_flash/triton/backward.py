@@ -87,7 +87,7 @@ def _dkdv_kernel(*refs, spec: AttentionSpec, group: int, block_q: int, block_kv:
                     q_ids = common.load_vector(q_ids_ref, q_start, block_q, mask.seq_q, other=-1)
                 q_pos = common.row_positions(q_start, block_q)
                 vis = common.tile_visible(spec, q_pos, k_pos, q_ids, kv_ids)
-                rows_seen = jnp.any(vis, axis=1)
+                rows_seen = common.any_along(vis, 1)
                 q = common.zero_unseen_rows(q, rows_seen)
                 do = common.zero_unseen_rows(do, rows_seen)
             p, ds = _probabilities_and_ds(spec, q, k, v, do, lse2, delta, vis)
@@ -133,7 +133,7 @@ def _dq_kernel(*refs, spec: AttentionSpec, block_q: int, block_kv: int, head_dim
                 kv_ids = common.load_vector(kv_ids_ref, k_start, block_kv, mask.seq_kv, other=-2)
             k_pos = common.row_positions(k_start, block_kv)
             vis = common.tile_visible(spec, q_pos, k_pos, q_ids, kv_ids)
-            k = common.zero_unseen_rows(k, jnp.any(vis, axis=0))
+            k = common.zero_unseen_rows(k, common.any_along(vis, 0))
         _, ds = _probabilities_and_ds(spec, q, k, v, do, lse2, delta, vis)
         return dq + common.dot(spec, ds.astype(k.dtype), k)
 

@@ -140,6 +140,11 @@ def segment_operands(q_ids, kv_ids, lo, hi):
     return specs, [q_ids, kv_ids, lo, hi]
 
 
+def any_along(mask, axis: int):
+    """jnp.any for kernels: the Triton lowering has no reduce_or, but has an int32 max."""
+    return jnp.max(mask.astype(jnp.int32), axis=axis) > 0
+
+
 def zero_unseen_rows(x, seen):
     """Rows of an operand tile that no pair of the tile uses, set to 0.
 

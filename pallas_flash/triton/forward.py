@@ -59,7 +59,7 @@ def _forward_kernel(*refs, spec: AttentionSpec, block_q: int, block_kv: int, hea
             k_pos = common.row_positions(k_start, block_kv)
             vis = common.tile_visible(spec, q_pos, k_pos, q_ids, kv_ids)
             s2 = jnp.where(vis, s2, -jnp.inf)
-            v = common.zero_unseen_rows(v, jnp.any(vis, axis=0))
+            v = common.zero_unseen_rows(v, common.any_along(vis, 0))
         m_new = jnp.maximum(m, jnp.max(s2, axis=1))
         m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
         alpha = jnp.exp2(m - m_safe)
