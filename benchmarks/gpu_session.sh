@@ -13,7 +13,7 @@ TESTS=${1:-"tests"}
 BENCH=${2:-""}
 if [ "$TESTS" != "skip" ]; then
   timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -q --compiled -p no:cacheprovider -n "${WORKERS:-4}" \
-    --maxfail=20 $TESTS > "$OUT/tests.log" 2>&1
+    --maxfail=20 --junitxml="$OUT/junit.xml" $TESTS > "$OUT/tests.log" 2>&1
   echo "pytest exit: $?" >> "$OUT/tests.log"
 fi
 if [ "$BENCH" != "skip" ]; then
