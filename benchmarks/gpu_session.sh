@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call on the H200: the compiled test suite, then the benchmark, logs under $OUT.
 #   usage: bash benchmarks/gpu_session.sh "<pytest args>" "<bench args>"
-# Either part can be skipped by passing "skip". Only the last lines of output come back from the
+# Either part can be skipped by passing "skip". pytest runs with -v, so that a run cut by the
+# time limit still lists each finished test (PASSED / FAILED) in tests.log. Only the last lines of output come back from the
 # device tool, so each part writes its full log to $OUT and prints a short summary last.
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=. XLA_PYTHON_CLIENT_PREALLOCATE=false
@@ -12,8 +13,8 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu,memory.used 
 TESTS=${1:-"tests"}
 BENCH=${2:-""}
 if [ "$TESTS" != "skip" ]; then
-  timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -q --compiled -p no:cacheprovider -n "${WORKERS:-4}" \
-    --maxfail=20 --junitxml="$OUT/junit.xml" $TESTS > "$OUT/tests.log" 2>&1
+  timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -v --compiled -p no:cacheprovider -n "${WORKERS:-4}" \
+    --maxfail=20 $TESTS > "$OUT/tests.log" 2>&1
   echo "pytest exit: $?" >> "$OUT/tests.log"
 fi
 if [ "$BENCH" != "skip" ]; then
