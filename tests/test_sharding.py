@@ -1,0 +1,329 @@
+"""Sharded attention on a mesh of host devices: batch/head sharding and ring attention.
+
+conftest.py forces four CPU devices, so these run anywhere (interpret mode on the CPU). Each
+case compiles forward and backward in one jit and compares O, lse, dq, dk and dv, under random
+cotangents for both outputs, with single-device `flash_attention` and with
+`reference_attention`. Shapes are tiny: compiling the interpreted kernels dominates the time.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+from jax.test_util import check_grads
+
+import pallas_flash as pf
+from helpers import ON_GPU, TOLERANCE, _outputs_and_grads, assert_close, random_inputs
+from pallas_flash import sharding
+
+NUM_DEVICES = len(jax.devices())
+pytestmark = pytest.mark.skipif(NUM_DEVICES < 2, reason="sharding tests need at least 2 devices "
+                                                         f"(found {NUM_DEVICES})")
+F32 = jnp.float32
+
+
+def _mesh(shape, names, explicit=False):
+    size = int(np.prod(shape))
+    if size > NUM_DEVICES:
+        pytest.skip(f"mesh {dict(zip(names, shape))} needs {size} devices, found {NUM_DEVICES}")
+    kind = AxisType.Explicit if explicit else AxisType.Auto
+    return jax.make_mesh(shape, names, axis_types=(kind,) * len(shape),
+                         devices=jax.devices()[:size])
+
+
+def _dlse(key, q):
+    return jax.random.normal(key, (q.shape[0], q.shape[2], q.shape[1]), F32)
+
+
+def _compare(name, result, expected, dtype):
+    """result / expected: (out, lse, (dq, dk, dv))."""
+    tol = TOLERANCE[jnp.dtype(dtype)]
+    out, lse, grads = result
+    ref_out, ref_lse, ref_grads = expected
+    assert_close(f"{name} out", out, ref_out, tol)
+    # Rows that see no key must agree on lse = -inf exactly; the rest compare by value.
+    empty = np.isneginf(np.asarray(ref_lse))
+    np.testing.assert_array_equal(np.isneginf(np.asarray(lse)), empty, err_msg=f"{name} lse=-inf")
+    assert_close(f"{name} lse", np.where(empty, 0.0, lse), np.where(empty, 0.0, ref_lse), tol,
+                 floor=1.0)
+    for grad_name, g, rg in zip(("dq", "dk", "dv"), grads, ref_grads):
+        assert_close(f"{name} {grad_name}", g, rg, tol)
+
+
+def _single_device(q, k, v, do, dlse, **options):
+    flash = _outputs_and_grads(pf.flash_attention, q, k, v, do, dlse, options)
+    ref = _outputs_and_grads(pf.reference_attention, q, k, v, do, dlse, options)
+    return flash, ref
+
+
+# ================================================================================================
+# zig-zag layout
+# ================================================================================================
+
+
+def test_zigzag_order_and_round_trip():
+    tokens = jnp.arange(8)
+    # Two devices, four chunks of two: device 0 holds chunks 0 and 3, device 1 chunks 1 and 2.
+    np.testing.assert_array_equal(pf.zigzag_permute(tokens, 2, axis=0),
+                                  [0, 1, 6, 7, 2, 3, 4, 5])
+    x = np.random.default_rng(0).normal(size=(2, 24, 3)).astype(np.float32)
+    for devices, axis in ((1, 1), (3, -2), (4, 1)):
+        permuted = pf.zigzag_permute(x, devices, axis=axis)
+        assert devices == 1 or not np.array_equal(permuted, x)
+        np.testing.assert_array_equal(pf.zigzag_unpermute(permuted, devices, axis=axis), x)
+    # Device i's shard of the permuted positions is chunks i and 2P-1-i.
+    positions = pf.zigzag_permute(jnp.arange(32), 4, axis=0).reshape(4, 8)
+    for i in range(4):
+        np.testing.assert_array_equal(positions[i, :4], np.arange(4 * i, 4 * i + 4))
+        np.testing.assert_array_equal(positions[i, 4:], np.arange(4 * (7 - i), 4 * (7 - i) + 4))
+    with pytest.raises(ValueError, match="divisible by 2 \\* num_devices"):
+        pf.zigzag_permute(jnp.arange(10), 2, axis=0)
+
+
+# ================================================================================================
+# batch / head sharding
+# ================================================================================================
+
+_COLLECTIVES = ("all-gather", "all-to-all", "all-reduce", "collective-permute", "reduce-scatter")
+
+
+@pytest.mark.parametrize("batch_axis,head_axis,explicit,segments", [
+    ("data", "heads", False, True),
+    (("data", "heads"), None, True, False),
+])
+def test_batch_head_sharding_has_no_collectives(batch_axis, head_axis, explicit, segments):
+    mesh = _mesh((2, 2), ("data", "heads"), explicit)
+    q, k, v, do = random_inputs(jax.random.PRNGKey(3), 4, 40, 40, 4, 2, 16, F32)
+    dlse = _dlse(jax.random.PRNGKey(4), q)
+    tokens = NamedSharding(mesh, P(batch_axis, None, head_axis, None))
+    rows = NamedSharding(mesh, P(batch_axis, head_axis, None))
+    args = [jax.device_put(x, tokens) for x in (q, k, v, do)] + [jax.device_put(dlse, rows)]
+    options, arrays = dict(causal=True), {}
+    if segments:
+        # Packed documents plus padding: the per-batch ids must travel with their batch rows.
+        ids = jnp.sort(jnp.arange(40)[None, :] % jnp.arange(1, 5)[:, None], axis=1)
+        arrays = dict(q_segment_ids=ids, kv_segment_ids=ids, kv_lengths=jnp.array([40, 33, 20, 7]))
+        options.update(arrays)
+        args += [jax.device_put(ids, NamedSharding(mesh, P(batch_axis, None))),
+                 jax.device_put(arrays["kv_lengths"], NamedSharding(mesh, P(batch_axis)))]
+
+    def run(q, k, v, do, dlse, *ids):
+        id_options = dict(zip(arrays, (ids[0], ids[0], ids[1]))) if ids else {}
+
+        def attend(q, k, v):
+            return pf.sharded_flash_attention(q, k, v, mesh=mesh, batch_axis=batch_axis,
+                                              head_axis=head_axis, causal=True,
+                                              return_lse=True, **id_options)
+
+        (out, lse), vjp = jax.vjp(attend, q, k, v)
+        return out, lse, vjp((do, dlse))
+
+    compiled = jax.jit(run).lower(*args).compile()
+    hlo = compiled.as_text()
+    found = [c for c in _COLLECTIVES if c in hlo]
+    assert not found, f"attention sharded over batch/heads communicates: {found}"
+    out, lse, grads = compiled(*args)
+    assert out.sharding.is_equivalent_to(tokens, out.ndim)
+    assert lse.sharding.is_equivalent_to(rows, lse.ndim)
+    assert all(g.sharding.is_equivalent_to(tokens, g.ndim) for g in grads)
+
+    flash, ref = _single_device(q, k, v, do, dlse, **options)
+    _compare("vs flash_attention", (out, lse, grads), flash, F32)
+    _compare("vs reference", (out, lse, grads), ref, F32)
+
+
+def test_collective_check_can_fail():
+    """The check above is meaningful: a layout that needs the whole sequence (inputs split
+    along seq) makes the compiled program gather or shuffle."""
+    mesh = _mesh((2,), ("data",))
+    q, k, v, _ = random_inputs(jax.random.PRNGKey(5), 2, 32, 32, 2, 2, 16, F32)
+    along_seq = NamedSharding(mesh, P(None, "data", None, None))
+    args = [jax.device_put(x, along_seq) for x in (q, k, v)]
+    attend = functools.partial(pf.sharded_flash_attention, mesh=mesh, batch_axis="data")
+    hlo = jax.jit(attend).lower(*args).compile().as_text()
+    assert any(c in hlo for c in _COLLECTIVES), "expected a collective to reshard seq -> batch"
+
+
+def test_sharding_errors():
+    mesh = _mesh((2,), ("x",))
+    # Shapes are all the checks look at, so no array needs to exist.
+    q = jax.ShapeDtypeStruct((2, 32, 4, 16), F32)
+    k = v = jax.ShapeDtypeStruct((2, 32, 1, 16), F32)
+    short = jax.ShapeDtypeStruct((2, 16, 1, 16), F32)
+    with pytest.raises(ValueError, match="number of kv heads \\(1\\).*whole GQA groups"):
+        pf.sharded_flash_attention(q, k, v, mesh=mesh, head_axis="x")
+    with pytest.raises(ValueError, match="'y' is not an axis of the mesh"):
+        pf.sharded_flash_attention(q, k, v, mesh=mesh, batch_axis="y")
+    with pytest.raises(ValueError, match="batch size \\(3\\)"):
+        odd = [jax.ShapeDtypeStruct((3, *x.shape[1:]), F32) for x in (q, k, v)]
+        pf.sharded_flash_attention(*odd, mesh=mesh, batch_axis="x")
+    with pytest.raises(TypeError, match="unexpected flash_attention options \\['casual'\\]"):
+        pf.sharded_flash_attention(q, k, v, mesh=mesh, casual=True)
+    with pytest.raises(ValueError, match="used twice"):
+        pf.ring_attention(q, k, v, mesh=mesh, axis_name="x", batch_axis="x")
+    with pytest.raises(ValueError, match="layout must be one of"):
+        pf.ring_attention(q, k, v, mesh=mesh, axis_name="x", layout="striped")
+    with pytest.raises(ValueError, match="divisible by 4 for the zigzag layout"):
+        cut = [jax.ShapeDtypeStruct((2, 30, *x.shape[2:]), F32) for x in (q, k, v)]
+        pf.ring_attention(*cut, mesh=mesh, axis_name="x", layout="zigzag")
+    with pytest.raises(ValueError, match="self-attention"):
+        pf.ring_attention(q, short, short, mesh=mesh, axis_name="x")
+
+
+# ================================================================================================
+# ring attention
+# ================================================================================================
+
+
+def _ring_fn(mesh, layout, ring_size, *, entry="global", **ring_options):
+    """A flash_attention-like fn(q, k, v, return_lse, causal) in natural token order."""
+    if layout == "zigzag":
+        into = functools.partial(pf.zigzag_permute, num_devices=ring_size)
+        back = functools.partial(pf.zigzag_unpermute, num_devices=ring_size)
+    else:
+        into = back = lambda x, axis=1: x  # noqa: E731
+
+    def attend(q, k, v, return_lse=False, causal=False):
+        q, k, v = (into(x, axis=1) for x in (q, k, v))
+        if entry == "global":
+            out, lse = pf.ring_attention(q, k, v, mesh=mesh, axis_name="ring", causal=causal,
+                                         layout=layout, return_lse=True, **ring_options)
+        else:
+            # The per-device function inside the caller's own shard_map.
+            tokens, rows = P(None, "ring", None, None), P(None, None, "ring")
+            local = functools.partial(pf.ring_attention_local, axis_name="ring", causal=causal,
+                                      layout=layout, return_lse=True, **ring_options)
+            out, lse = jax.shard_map(local, mesh=mesh, in_specs=(tokens,) * 3,
+                                     out_specs=(tokens, rows), check_vma=False)(q, k, v)
+        out, lse = back(out, axis=1), back(lse, axis=2)
+        return (out, lse) if return_lse else out
+
+    return attend
+
+
+@functools.lru_cache(maxsize=None)
+def _inputs_and_expected(shape, causal):
+    """Inputs, cotangents, and the single-device flash and reference results (cached: several
+    ring cases share them, and each costs a compile)."""
+    batch, seq, q_heads, kv_heads, head_dim = shape
+    q, k, v, do = random_inputs(jax.random.PRNGKey(7), batch, seq, seq, q_heads, kv_heads,
+                                head_dim, F32)
+    dlse = _dlse(jax.random.PRNGKey(8), q)
+    flash, ref = _single_device(q, k, v, do, dlse, causal=causal)
+    return (q, k, v, do, dlse), jax.device_get(flash), jax.device_get(ref)
+
+
+def _count_kernel_calls(monkeypatch, axis_name):
+    """Wraps the ring's kernels so that every call that actually executes (not merely traced:
+    a lax.cond branch not taken never runs its callback) records (ring position, q rows,
+    kv rows)."""
+    calls = {"forward": collections.Counter(), "backward": collections.Counter()}
+
+    def counted(kind, kernel):
+        def record(device, rows, cols):
+            calls[kind][(int(device), int(rows), int(cols))] += 1
+
+        def wrapper(spec, q, k, *args, **kwargs):
+            jax.debug.callback(record, jax.lax.axis_index(axis_name), q.shape[1], k.shape[1])
+            return kernel(spec, q, k, *args, **kwargs)
+
+        return wrapper
+
+    monkeypatch.setattr(sharding, "_kernel_forward", counted("forward", sharding._kernel_forward))
+    monkeypatch.setattr(sharding, "_kernel_backward",
+                        counted("backward", sharding._kernel_backward))
+    # Traces made with the unwrapped kernels must not be reused, nor ours kept after the test.
+    sharding._sharded_ring_fn.cache_clear()
+    monkeypatch.setattr(sharding, "_sharded_ring_fn",
+                        functools.lru_cache(maxsize=None)(sharding._sharded_ring_fn.__wrapped__))
+    return calls
+
+
+def _expected_pairs(ring_size, layout, causal, seq):
+    """The (q rows, kv rows) kernel calls each ring position must run, sorted."""
+    local = seq // ring_size
+    half = local // 2
+    pairs = {}
+    for d in range(ring_size):
+        if not causal:
+            want = [(local, local)] * ring_size
+        elif layout == "contiguous":
+            # Position d sees the K/V of positions 0..d: d + 1 pairs (the diagonal one causal);
+            # the P - 1 - d later ones are fully masked and must not run at all.
+            want = [(local, local)] * (d + 1)
+        else:
+            # Zig-zag: the diagonal plus P - 1 half pairs, the same work on every position.
+            want = [(local, local)] + [(local, half)] * d + [(half, local)] * (ring_size - 1 - d)
+        pairs[d] = sorted(want)
+    return pairs
+
+
+RING_CASES = {
+    # name: (ring size, layout, causal, (batch, seq, q_heads, kv_heads, head_dim), extra)
+    "4_contiguous": (4, "contiguous", False, (1, 64, 4, 2, 16), {}),
+    "4_contiguous_causal": (4, "contiguous", True, (1, 64, 4, 2, 16), {}),
+    "4_zigzag_causal": (4, "zigzag", True, (1, 64, 4, 2, 16), {}),
+    "2_zigzag_causal_mqa_local": (2, "zigzag", True, (1, 64, 3, 1, 32), {"entry": "local"}),
+    "2x2_contiguous_causal_data_explicit": (2, "contiguous", True, (2, 64, 4, 2, 16),
+                                            {"data": 2, "explicit": True}),
+}
+
+
+@pytest.mark.parametrize("name", list(RING_CASES))
+def test_ring_attention(monkeypatch, name):
+    """O, lse, dq, dk, dv against single-device flash_attention and the reference, and the
+    kernel calls that actually ran on each ring position: fully masked chunk pairs never run,
+    and zig-zag gives every position the same work."""
+    ring_size, layout, causal, shape, extra = RING_CASES[name]
+    extra = dict(extra)
+    data = extra.pop("data", 1)
+    explicit = extra.pop("explicit", False)
+    if data > 1:
+        mesh = _mesh((data, ring_size), ("data", "ring"), explicit)
+        extra["batch_axis"] = "data"
+    else:
+        mesh = _mesh((ring_size,), ("ring",), explicit)
+    (q, k, v, do, dlse), flash, ref = _inputs_and_expected(shape, causal)
+    calls = _count_kernel_calls(monkeypatch, "ring")
+
+    ring = _outputs_and_grads(_ring_fn(mesh, layout, ring_size, **extra), q, k, v, do, dlse,
+                              dict(causal=causal))
+    jax.block_until_ready(ring)
+    jax.effects_barrier()
+    _compare("vs flash_attention", ring, flash, F32)
+    _compare("vs reference", ring, ref, F32)
+
+    expected = _expected_pairs(ring_size, layout, causal, shape[1])
+    for kind in ("forward", "backward"):
+        ran = {d: sorted((rows, cols) for (dev, rows, cols), n in calls[kind].items()
+                         if dev == d for _ in range(n)) for d in range(ring_size)}
+        # Every data-parallel replica of a ring position runs the same calls.
+        want = {d: sorted(pairs * data) for d, pairs in expected.items()}
+        assert ran == want, (kind, ran, want)
+        if causal and layout == "zigzag":
+            work = {d: sum(r * c for r, c in pairs) for d, pairs in ran.items()}
+            assert len(set(work.values())) == 1, (kind, work)
+
+
+@pytest.mark.skipif(ON_GPU, reason="float64 runs in interpret mode only (CPU)")
+def test_ring_check_grads_float64(x64):
+    mesh = _mesh((2,), ("ring",))
+    keys = jax.random.split(jax.random.PRNGKey(11), 4)
+    q = jax.random.normal(keys[0], (1, 32, 4, 16), jnp.float64)
+    k = jax.random.normal(keys[1], (1, 32, 2, 16), jnp.float64)
+    v = jax.random.normal(keys[2], (1, 32, 2, 16), jnp.float64)
+    w = jax.random.normal(keys[3], (1, 4, 32), jnp.float64)
+
+    def f(q, k, v):
+        out, lse = pf.ring_attention(q, k, v, mesh=mesh, axis_name="ring", causal=True,
+                                     layout="zigzag", return_lse=True)
+        # lse is in the output, so the lse cotangent path of the backward ring is checked too.
+        return out, lse * w
+
+    check_grads(f, (q, k, v), order=1, modes=["rev"], atol=1e-6, rtol=1e-6)
