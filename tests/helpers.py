@@ -8,6 +8,10 @@ tolerance and the worst element, like np.testing does.
 
 from __future__ import annotations
 
+import contextlib
+import importlib.util
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -116,3 +120,19 @@ def check_against_reference(q, k, v, do, *, key=None, tol=None, **kwargs):
         assert g.dtype == x.dtype, f"{name} dtype {g.dtype} != input dtype {x.dtype}"
         assert_close(name, g, rg, tol)
     return out, lse, grads
+
+
+@contextlib.contextmanager
+def example_module(path, name):
+    """Loads a script from examples/ (not a package) as a module, for the duration of a test.
+
+    It is registered in sys.modules while it runs, because dataclasses looks its module up.
+    """
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    try:
+        spec.loader.exec_module(module)
+        yield module
+    finally:
+        sys.modules.pop(spec.name, None)

@@ -8,7 +8,6 @@ more short run goes through the script's command line in a subprocess.
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import subprocess
 import sys
@@ -17,21 +16,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from helpers import example_module
+
 _EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train_lm.py"
 
 
 @pytest.fixture(scope="module")
 def train_lm():
-    # examples/ is not a package, so load the script by path. It must be registered in
-    # sys.modules before executing: dataclasses looks its module up while building Config.
-    spec = importlib.util.spec_from_file_location("train_lm_example", _EXAMPLE)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    try:
-        spec.loader.exec_module(module)
+    with example_module(_EXAMPLE, "train_lm_example") as module:
         yield module
-    finally:
-        sys.modules.pop(spec.name, None)
 
 
 def test_tiny_run_learns_and_matches_reference(train_lm):

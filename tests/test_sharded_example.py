@@ -9,7 +9,6 @@ covers the script's own request for host devices.
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import os
 import subprocess
@@ -19,6 +18,8 @@ from pathlib import Path
 import jax
 import pytest
 
+from helpers import example_module
+
 _EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "sharded_train_step.py"
 NUM_DEVICES = len(jax.devices())
 pytestmark = pytest.mark.skipif(NUM_DEVICES < 2, reason="the sharded example needs at least "
@@ -27,16 +28,8 @@ pytestmark = pytest.mark.skipif(NUM_DEVICES < 2, reason="the sharded example nee
 
 @pytest.fixture(scope="module")
 def example():
-    # examples/ is not a package: load the script by path. It is registered in sys.modules
-    # while it runs, because dataclasses looks its module up.
-    spec = importlib.util.spec_from_file_location("sharded_train_step_example", _EXAMPLE)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    try:
-        spec.loader.exec_module(module)
+    with example_module(_EXAMPLE, "sharded_train_step_example") as module:
         yield module
-    finally:
-        sys.modules.pop(spec.name, None)
 
 
 def test_sharded_training_learns_and_matches_one_device(example):
