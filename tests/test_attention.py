@@ -23,6 +23,7 @@ SHAPES = [
     (1, 65, 33, 2, 1, 80),
     (1, 130, 130, 2, 2, 128),
     (1, 70, 90, 2, 2, 256),
+    (1, 20, 30, 2, 1, 8),      # head_dim under the 16-wide minimum tile: padded and masked
 ]
 DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
 
