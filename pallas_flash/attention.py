@@ -106,29 +106,10 @@ def flash_attention(
     )
     if not isinstance(return_lse, (bool,)):
         raise ValueError(f"return_lse must be a bool, got {return_lse!r}")
-    try:
-        precision = _PRECISIONS[precision.lower() if isinstance(precision, str) else precision]
-    except (KeyError, TypeError):
-        raise ValueError(
-            f"precision must be None, 'default', 'high', 'highest' or a jax.lax.Precision, "
-            f"got {precision!r}"
-        ) from None
-    if config is None:
-        config = default_config(q.shape[-1], q.dtype)
-    elif not isinstance(config, FlashConfig):
-        raise ValueError(f"config must be a pallas_flash.FlashConfig, got {type(config).__name__}")
+    precision, config, interpret = kernel_options(q, precision=precision, config=config,
+                                                  interpret=interpret)
     if backend not in _BACKENDS:
         raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
-    if interpret is None:
-        interpret = jax.default_backend() != "gpu"
-    elif not isinstance(interpret, bool):
-        raise ValueError(f"interpret must be None or a bool, got {interpret!r}")
-    if q.dtype == jnp.float64 and not interpret:
-        raise ValueError(
-            "q, k, v of dtype float64 run in interpret mode only (interpret=True); the GPU "
-            "kernels take bfloat16, float16 and float32"
-        )
-
     batch, seq_q = q.shape[:2]
     seq_kv = k.shape[1]
     has_segments = q_segment_ids is not None or q_lengths is not None or kv_lengths is not None
@@ -148,6 +129,35 @@ def flash_attention(
                                      batch=batch, seq_q=seq_q, seq_kv=seq_kv)
     out, lse = _custom_vjp_attention(spec)(q, k, v, q_ids, kv_ids)
     return (out, lse) if return_lse else out
+
+
+def kernel_options(q, *, precision, config, interpret):
+    """Validates and defaults the options that steer the kernels (how, not what).
+
+    Shared by every entry point that launches the kernels (flash_attention, sharding.py).
+    Returns (precision as a lax.Precision, a FlashConfig, interpret as a bool).
+    """
+    try:
+        precision = _PRECISIONS[precision.lower() if isinstance(precision, str) else precision]
+    except (KeyError, TypeError):
+        raise ValueError(
+            f"precision must be None, 'default', 'high', 'highest' or a jax.lax.Precision, "
+            f"got {precision!r}"
+        ) from None
+    if config is None:
+        config = default_config(q.shape[-1], q.dtype)
+    elif not isinstance(config, FlashConfig):
+        raise ValueError(f"config must be a pallas_flash.FlashConfig, got {type(config).__name__}")
+    if interpret is None:
+        interpret = jax.default_backend() != "gpu"
+    elif not isinstance(interpret, bool):
+        raise ValueError(f"interpret must be None or a bool, got {interpret!r}")
+    if q.dtype == jnp.float64 and not interpret:
+        raise ValueError(
+            "q, k, v of dtype float64 run in interpret mode only (interpret=True); the GPU "
+            "kernels take bfloat16, float16 and float32"
+        )
+    return precision, config, interpret
 
 
 @functools.lru_cache(maxsize=None)

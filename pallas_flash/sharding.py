@@ -65,7 +65,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from pallas_flash import attention, validation
-from pallas_flash.config import FlashConfig, default_config
+from pallas_flash.config import FlashConfig
 from pallas_flash.masking import make_mask_spec
 from pallas_flash.spec import AttentionSpec
 from pallas_flash.triton import backward as triton_backward
@@ -351,23 +351,8 @@ def _kernel_options(q, k, v, *, causal, scale, softcap, precision, config, inter
         q, k, v, causal=causal, scale=scale, causal_alignment="top_left", window=None,
         softcap=softcap, q_segment_ids=None, kv_segment_ids=None, q_lengths=None,
         kv_lengths=None)
-    try:
-        # The same names flash_attention accepts.
-        precision = attention._PRECISIONS[  # pylint: disable=protected-access
-            precision.lower() if isinstance(precision, str) else precision]
-    except (KeyError, TypeError):
-        raise ValueError(f"precision must be None, 'default', 'high', 'highest' or a "
-                         f"jax.lax.Precision, got {precision!r}") from None
-    if config is None:
-        config = default_config(q.shape[-1], q.dtype)
-    elif not isinstance(config, FlashConfig):
-        raise ValueError(f"config must be a pallas_flash.FlashConfig, got {type(config).__name__}")
-    if interpret is None:
-        interpret = jax.default_backend() != "gpu"
-    elif not isinstance(interpret, bool):
-        raise ValueError(f"interpret must be None or a bool, got {interpret!r}")
-    if q.dtype == jnp.float64 and not interpret:
-        raise ValueError("q, k, v of dtype float64 run in interpret mode only (interpret=True)")
+    precision, config, interpret = attention.kernel_options(
+        q, precision=precision, config=config, interpret=interpret)
 
     def spec_of(seq_q, seq_kv, masked):
         return AttentionSpec(mask=make_mask_spec(seq_q, seq_kv, causal=masked), scale=opts.scale,
