@@ -37,9 +37,10 @@ DQ = [(128, 64, 8, 2), (64, 64, 4, 2), (128, 32, 8, 2), (64, 128, 8, 2), (128, 6
 
 # head_dim 256: the accumulators are twice as wide, so smaller tiles; each of these is also in
 # tests/test_attention.py's explicit-tile test, so a winner can become a default safely.
-FWD_256 = [(64, 64, 8, 2), (64, 32, 4, 2), (128, 32, 8, 2), (32, 32, 4, 3), (64, 32, 8, 2)]
-DKDV_256 = [(32, 64, 8, 2), (32, 32, 4, 2), (16, 64, 4, 2), (32, 32, 8, 2)]
-DQ_256 = [(64, 32, 8, 2), (32, 32, 4, 2), (64, 16, 4, 2), (64, 32, 4, 2)]
+FWD_256 = [(64, 64, 8, 2), (64, 32, 4, 2), (128, 32, 8, 2), (32, 32, 4, 3), (64, 32, 8, 2),
+           (128, 64, 8, 2), (64, 64, 4, 2)]
+DKDV_256 = [(32, 64, 8, 2), (32, 32, 4, 2), (16, 64, 4, 2), (32, 32, 8, 2), (64, 32, 8, 2)]
+DQ_256 = [(64, 32, 8, 2), (32, 32, 4, 2), (64, 16, 4, 2), (64, 32, 4, 2), (32, 64, 4, 2)]
 
 
 def timeit(fn, *args, iters=10):
@@ -65,8 +66,8 @@ def sweep(batch, seq, heads, head_dim, causal, results):
     q, k, v, do = (jax.random.normal(kk, shape, jnp.bfloat16) for kk in keys)
     base = default_config(head_dim, jnp.bfloat16)
     flops = 4 * batch * heads * seq * seq * head_dim * (0.5 if causal else 1.0)
-    out, lse = jax.jit(lambda q, k, v: tf.forward(spec_for(seq, head_dim, causal, base), q, k, v))(q, k, v)
-    dlse = jnp.zeros_like(lse)
+    out, stats = jax.jit(lambda q, k, v: tf.forward(spec_for(seq, head_dim, causal, base), q, k, v))(q, k, v)
+    dlse = jnp.zeros_like(stats.m)
     tag = f"d{head_dim} s{seq} {'causal' if causal else 'full'}"
     lists = (FWD_256, DKDV_256, DQ_256) if head_dim == 256 else (FWD, DKDV, DQ)
     for kind, cands, share in zip(("fwd", "dkdv", "dq"), lists, (1.0, 2.5, 2.5)):
@@ -79,7 +80,7 @@ def sweep(batch, seq, heads, head_dim, causal, results):
             if kind == "fwd":
                 fn = jax.jit(lambda q, k, v, spec=spec: tf.forward(spec, q, k, v))
             else:
-                fn = jax.jit(lambda q, k, v, spec=spec: tb.backward(spec, q, k, v, out, lse, do, dlse))
+                fn = jax.jit(lambda q, k, v, spec=spec: tb.backward(spec, q, k, v, out, stats, do, dlse))
             try:
                 t = timeit(fn, q, k, v)
                 rate = flops * share / t / 1e12

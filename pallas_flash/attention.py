@@ -2,8 +2,9 @@
 
 Data flow: validate once (ValueError naming the argument) -> fold the options into one hashable
 `AttentionSpec` -> pick the backend -> call a custom_vjp function whose forward returns
-(O, lse) and saves (q, k, v, O, lse) plus the integer segment ids, nothing else. This module
-never knows how a kernel tiles its work.
+(O, lse) and saves (q, k, v, O) and the row statistics M and L (stats.py: two float32 numbers
+per query row, from which lse is derived) plus the integer segment ids, nothing else. This
+module never knows how a kernel tiles its work.
 """
 
 from __future__ import annotations
@@ -21,8 +22,9 @@ from jax.ad_checkpoint import checkpoint_name
 # train step) would then be traced and compiled twice. Importing it here, up front, avoids that.
 import jax.experimental.pallas.fuser  # noqa: E402,F401  pylint: disable=unused-import
 
-from pallas_flash import validation
-from pallas_flash.config import FlashConfig, default_config
+from pallas_flash import stats, validation
+from pallas_flash.config import (FlashConfig, check_shared_memory, default_config,
+                                 shared_memory_limit)
 from pallas_flash.masking import CausalAlignment, fold_lengths, make_mask_spec
 from pallas_flash.spec import AttentionSpec
 from pallas_flash.triton import backward as triton_backward
@@ -31,7 +33,8 @@ from pallas_flash.triton import forward as triton_forward
 __all__ = ["flash_attention", "OUT_NAME", "LSE_NAME"]
 
 # Names for jax.checkpoint policies, e.g. save_only_these_names(OUT_NAME, LSE_NAME): with both
-# saved, rematerialisation never re-runs the forward kernel.
+# saved, rematerialisation never re-runs the forward kernel. LSE_NAME tags the row statistics
+# the backward reads (the public lse is a cheap elementwise function of them).
 OUT_NAME = "pallas_flash_out"
 LSE_NAME = "pallas_flash_lse"
 
@@ -157,6 +160,7 @@ def kernel_options(q, *, precision, config, interpret):
             "q, k, v of dtype float64 run in interpret mode only (interpret=True); the GPU "
             "kernels take bfloat16, float16 and float32"
         )
+    check_shared_memory(config, q.shape[-1], q.dtype, shared_memory_limit(interpret))
     return precision, config, interpret
 
 
@@ -167,18 +171,20 @@ def _custom_vjp_attention(spec: AttentionSpec):
 
     @jax.custom_vjp
     def attention(q, k, v, q_ids, kv_ids):
-        return triton_forward.forward(spec, q, k, v, q_ids, kv_ids)
+        out, row_stats = triton_forward.forward(spec, q, k, v, q_ids, kv_ids)
+        return out, stats.to_lse(spec, row_stats)
 
     def attention_fwd(q, k, v, q_ids, kv_ids):
-        out, lse = triton_forward.forward(spec, q, k, v, q_ids, kv_ids)
+        out, row_stats = triton_forward.forward(spec, q, k, v, q_ids, kv_ids)
         out = checkpoint_name(out, OUT_NAME)
-        lse = checkpoint_name(lse, LSE_NAME)
-        return (out, lse), (q, k, v, out, lse, q_ids, kv_ids)
+        row_stats = checkpoint_name(row_stats, LSE_NAME)
+        return (out, stats.to_lse(spec, row_stats)), (q, k, v, out, row_stats, q_ids, kv_ids)
 
     def attention_bwd(residuals, cotangents):
-        q, k, v, out, lse, q_ids, kv_ids = residuals
+        q, k, v, out, row_stats, q_ids, kv_ids = residuals
         d_out, d_lse = cotangents
-        dq, dk, dv = triton_backward.backward(spec, q, k, v, out, lse, d_out, d_lse, q_ids, kv_ids)
+        dq, dk, dv = triton_backward.backward(spec, q, k, v, out, row_stats, d_out, d_lse,
+                                              q_ids, kv_ids)
         return dq, dk, dv, None, None
 
     attention.defvjp(attention_fwd, attention_bwd)

@@ -9,15 +9,22 @@ Why powers of two: the Triton lowering only accepts tensors whose every dimensio
 two (seen on our H200: a 72-wide block failed with "requires that all operations have array
 arguments and results whose size is a power of 2", while interpret mode ran it). We check it
 here so CPU CI catches it too. The minimum of 16 is the smallest tile `tl.dot` accepts.
+
+Why a shared-memory estimate: a tile too big for the GPU's shared memory fails only when Triton
+compiles it, inside the first call ("Shared memory size limit exceeded: requested 263168,
+available: 232448" on our H200, for a 128x128 dK/dV tile at head_dim 128). `check_shared_memory`
+predicts it from the tile, so the caller gets a ValueError naming the kernel before any launch.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 
-__all__ = ["KernelConfig", "FlashConfig", "default_config"]
+__all__ = ["KernelConfig", "FlashConfig", "default_config", "shared_memory_bytes",
+           "shared_memory_limit", "check_shared_memory"]
 
 _MIN_BLOCK = 16
 _MAX_BLOCK = 256
@@ -81,8 +88,8 @@ def default_config(head_dim: int, dtype) -> FlashConfig:
     """The tiles we use when the caller gives none, chosen by head_dim and dtype.
 
     Measured with benchmarks/tune.py on our H200 (jax 0.11.2, bf16, batch 2, seq 8192, 16 heads
-    at head_dim 128; each kernel's tile swept with the others fixed; benchmarks/NOTES.md has the
-    table):
+    at head_dim 128, 8 at 256; each kernel's tile swept with the others fixed; benchmarks/NOTES.md
+    has the tables):
       * forward, head_dim 128: 128x128, 8 warps, 3 stages ran 399 TFLOP/s non-causal and 337
         causal (2.76 + 1.63 ms), the best sum; 64x64 ran 346 / 351 (3.18 + 1.57 ms).
       * dK/dV, head_dim 128: 64 queries x 64 keys, 4 warps, 2 stages made the whole backward
@@ -91,9 +98,10 @@ def default_config(head_dim: int, dtype) -> FlashConfig:
       * dQ, head_dim 128: 64x64, 4 warps, 2 stages was the fastest of seven, within 3% of 128x64.
       * head_dim 64: the forward sweep put 64x64 (341) and 64x128 (343) on top; the backward
         tiles follow head_dim 128's, since its sweep did not finish in the lease.
-      * head_dim 256: not swept yet. The tiles are sized so that the float32 accumulators fit
-        in registers (a 64x256 float32 tile is 64 KiB, i.e. 128 registers per thread at 4 warps)
-        and double-buffered K/V tiles fit in shared memory.
+      * head_dim 256 (non-causal): forward 128x64, 8 warps, 2 stages ran 389 TFLOP/s, against
+        205 for the 64x64 we had guessed and 320 for 64x32 / 4 warps; dK/dV 32x64 / 8 warps
+        stayed the best of five (whole backward 22.3 ms); dQ 64x16 / 4 warps took the whole
+        backward from 22.3 to 17.3 ms (64x32 / 4 warps: 17.6).
     float32 (and float64) operands take twice (four times) the registers and shared memory of
     bf16, so they take the next smaller tile with 2 stages.
     """
@@ -107,12 +115,75 @@ def default_config(head_dim: int, dtype) -> FlashConfig:
         dkdv = KernelConfig(block_q=64, block_kv=64, num_warps=4, num_stages=2)
         dq = KernelConfig(block_q=64, block_kv=64, num_warps=4, num_stages=2)
     else:
-        fwd = KernelConfig(block_q=64, block_kv=64, num_warps=8, num_stages=2)
+        fwd = KernelConfig(block_q=128, block_kv=64, num_warps=8, num_stages=2)
         dkdv = KernelConfig(block_q=32, block_kv=64, num_warps=8, num_stages=2)
-        dq = KernelConfig(block_q=64, block_kv=32, num_warps=8, num_stages=2)
+        dq = KernelConfig(block_q=64, block_kv=16, num_warps=4, num_stages=2)
     if wide:
         fwd, dkdv, dq = (_halve(c) for c in (fwd, dkdv, dq))
     return FlashConfig(fwd=fwd, bwd_dkdv=dkdv, bwd_dq=dq)
+
+
+# Shared memory per thread block by compute capability (CUDA programming guide's opt-in maximum;
+# 9.0's 232448 bytes is what our H200 reported). Interpret mode checks against Hopper's, so a
+# config that could not compile on an H100/H200 fails on the CPU too.
+_SHARED_MEMORY = {(9, 0): 232448, (8, 0): 166912, (8, 6): 101376, (8, 7): 166912, (8, 9): 101376}
+_HOPPER = (9, 0)
+
+
+def shared_memory_limit(interpret: bool) -> int:
+    """Bytes of shared memory one program may use on the target GPU."""
+    if interpret:
+        return _SHARED_MEMORY[_HOPPER]
+    try:
+        cc = tuple(int(x) for x in str(jax.devices()[0].compute_capability).split(".")[:2])
+    except (AttributeError, ValueError):
+        return _SHARED_MEMORY[_HOPPER]
+    return _SHARED_MEMORY.get(cc, min(_SHARED_MEMORY.values()) if cc < _HOPPER else
+                              _SHARED_MEMORY[_HOPPER])
+
+
+def shared_memory_bytes(config: FlashConfig, head_dim: int, dtype) -> dict[str, int]:
+    """Estimated shared memory of each kernel's program, in bytes.
+
+    The model: each pipelined tile the inner loop loads is buffered `num_stages` times; the
+    tiles a program keeps for its whole loop that feed a matmul's B side live in shared memory
+    once; so does each block matrix Triton must transpose or re-layout through shared memory
+    between two matmuls. With d the padded head_dim and b the itemsize:
+      forward: stages * (K + V tiles) + the Q tile                          (bkv, bkv, bq rows)
+      dK/dV:   stages * (Q + dO tiles) + K + V + the P^T and dS^T blocks    (bq x bkv each)
+      dQ:      stages * (K + V tiles) + Q + dO + the dS block
+    Calibration on our H200: it gives 262144 bytes for the 128x128 dK/dV tile that asked for
+    263168 and failed, and 229376 for the default head_dim 128 forward (128x128, 3 stages), which
+    runs; every tile benchmarks/tune.py ran there is under the limit.
+    """
+    d = max(16, 1 << (head_dim - 1).bit_length())
+    b = jnp.dtype(dtype).itemsize
+    f, kv, dq = config.fwd, config.bwd_dkdv, config.bwd_dq
+    return {
+        "fwd": b * (f.num_stages * 2 * f.block_kv * d + f.block_q * d),
+        "bwd_dkdv": b * (kv.num_stages * 2 * kv.block_q * d + 2 * kv.block_kv * d
+                         + 2 * kv.block_q * kv.block_kv),
+        "bwd_dq": b * (dq.num_stages * 2 * dq.block_kv * d + 2 * dq.block_q * d
+                       + dq.block_q * dq.block_kv),
+    }
+
+
+def check_shared_memory(config: FlashConfig, head_dim: int, dtype, limit: int) -> None:
+    """ValueError naming the first kernel whose tile would not fit in `limit` bytes.
+
+    float64 runs in interpret mode only, where there is no shared memory: not checked.
+    """
+    if jnp.dtype(dtype) == jnp.float64:
+        return
+    for kernel, need in shared_memory_bytes(config, head_dim, dtype).items():
+        if need > limit:
+            cfg = getattr(config, kernel)
+            raise ValueError(
+                f"config.{kernel} ({cfg.block_q}x{cfg.block_kv}, {cfg.num_stages} stages) needs "
+                f"about {need} bytes of shared memory at head_dim {head_dim} and "
+                f"{jnp.dtype(dtype).name}, over the GPU's {limit}: use smaller blocks or fewer "
+                f"stages"
+            )
 
 
 def _halve(cfg: KernelConfig) -> KernelConfig:

@@ -64,7 +64,7 @@ from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from pallas_flash import attention, validation
+from pallas_flash import attention, stats, validation
 from pallas_flash.config import FlashConfig
 from pallas_flash.masking import make_mask_spec
 from pallas_flash.spec import AttentionSpec
@@ -555,7 +555,8 @@ def _ring_forward(plan: _RingPlan, q, k, v):
     def visit(block, kv, acc):
         out_acc, lse_acc = acc
         k_t, v_t = (_rows(x, block.cols, 1) for x in kv)
-        out, lse = _kernel_forward(block.spec, _rows(q, block.rows, 1), k_t, v_t)
+        out, row_stats = _kernel_forward(block.spec, _rows(q, block.rows, 1), k_t, v_t)
+        lse = stats.to_lse(block.spec, row_stats)
         out, lse = _merge(_rows(out_acc, block.rows, 1), _rows(lse_acc, block.rows, 2),
                           out.astype(acc_dtype), lse.astype(acc_dtype))
         start = block.rows[0]
@@ -577,7 +578,8 @@ def _ring_backward(plan: _RingPlan, q, k, v, out, lse, d_out, d_lse):
         rows = lambda x, axis=1: _rows(x, block.rows, axis)  # noqa: E731
         # The global out and lse make these the pair's exact share of the gradients.
         dq_part, dk_part, dv_part = _kernel_backward(
-            block.spec, rows(q), k_t, v_t, rows(out), rows(lse, 2), rows(d_out), rows(d_lse, 2))
+            block.spec, rows(q), k_t, v_t, rows(out), stats.from_lse(rows(lse, 2)), rows(d_out),
+            rows(d_lse, 2))
 
         def add(acc, part, span):
             total = _rows(acc, span, 1) + part.astype(acc_dtype)

@@ -14,6 +14,14 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                                + " --xla_force_host_platform_device_count=4").strip()
 
+# PALLAS_FLASH_SPREAD_GPUS=N (a machine with N GPUs, under pytest-xdist): each worker sees one
+# GPU, worker i the (i mod N)-th, so the single-device tests spread over all of them instead of
+# queueing on GPU 0. Also read before JAX initialises. Multi-device tests need it unset.
+_spread = os.environ.get("PALLAS_FLASH_SPREAD_GPUS")
+_worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+if _spread and _worker.startswith("gw"):
+    os.environ["CUDA_VISIBLE_DEVICES"] = str(int(_worker[2:]) % int(_spread))
+
 import jax  # noqa: E402
 import pytest  # noqa: E402
 

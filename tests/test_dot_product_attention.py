@@ -305,8 +305,10 @@ def test_other_fallbacks_match_jax_nn(case, kernel_calls):
 def test_traced_scale_falls_back(kernel_calls):
     q, k, v, _ = _inputs()
     ours = jax.jit(lambda s: pf.dot_product_attention(q, k, v, scale=s, is_causal=True))(0.3)
-    xla = jax.nn.dot_product_attention(q, k, v, scale=0.3, is_causal=True)
-    assert_close("out", ours, xla, 1e-5)
+    # Both jitted, so both run XLA's float32 matmuls the same way (tf32 on the GPU: an eager
+    # jax.nn call differed from the jitted one by 3.4e-4 on our H200).
+    xla = jax.jit(lambda s: jax.nn.dot_product_attention(q, k, v, scale=s, is_causal=True))(0.3)
+    assert_close("out", ours, xla, TOLERANCE[jnp.dtype(jnp.float32)])
     assert not kernel_calls
 
 

@@ -1,11 +1,14 @@
 """Every invalid input raises a ValueError naming the argument, before any kernel is traced."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import pallas_flash as pf
+from pallas_flash.config import shared_memory_bytes, shared_memory_limit
 from pallas_flash.triton import forward as triton_forward
 
 
@@ -179,6 +182,23 @@ def test_flash_config_fields():
     good = pf.KernelConfig(block_q=64, block_kv=64)
     with pytest.raises(ValueError, match=r"FlashConfig.bwd_dq must be a KernelConfig"):
         pf.FlashConfig(fwd=good, bwd_dkdv=good, bwd_dq=(64, 64))
+
+
+def test_config_over_shared_memory():
+    # The 128x128 dK/dV tile at head_dim 128 asked our H200 for 263168 bytes of shared memory
+    # (232448 available) and failed inside the first call; it must be refused up front, on any
+    # machine, naming the kernel.
+    big = pf.KernelConfig(block_q=128, block_kv=128, num_warps=8, num_stages=2)
+    config = dataclasses.replace(pf.default_config(128, jnp.bfloat16), bwd_dkdv=big)
+    raises(r"config.bwd_dkdv \(128x128, 2 stages\) needs about 262144 bytes of shared memory",
+           *qkv((1, 8, 2, 128), (1, 8, 2, 128), jnp.bfloat16), config=config)
+
+
+@pytest.mark.parametrize("head_dim", [8, 32, 64, 80, 128, 200, 256])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
+def test_default_configs_fit_shared_memory(head_dim, dtype):
+    need = shared_memory_bytes(pf.default_config(head_dim, dtype), head_dim, dtype)
+    assert max(need.values()) <= shared_memory_limit(interpret=True), need
 
 
 def test_reference_validates_too():

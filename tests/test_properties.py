@@ -116,7 +116,12 @@ class Case:
 
 def check_case(case: Case):
     q, k, v, do = case.inputs()
-    check_against_reference(q, k, v, do, **case.kwargs())
+    # float32 runs at precision="highest", its tolerance float32 rounding only: under the GPU's
+    # default tf32, dQ of a one-key row is a cancellation (dP - D with dP from tf32 operands)
+    # that fails any tolerance tight enough to catch kernel bugs (seen on our H200: 2.4e-3 for a
+    # 1x1 case). tf32 has its own test in test_attention.py.
+    extra = dict(precision="highest") if case.dtype == "float32" else {}
+    check_against_reference(q, k, v, do, **case.kwargs(), **extra)
 
 
 # ---- the strategy ------------------------------------------------------------------------------

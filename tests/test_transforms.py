@@ -175,7 +175,7 @@ def test_scan_over_layers():
 
 # ---- memory: nothing of size seq_q x seq_kv is saved or materialised --------------------------
 
-def test_residuals_are_inputs_output_and_lse_only():
+def test_residuals_are_inputs_output_and_row_statistics_only():
     b, s, hq, hkv, d = 1, 200, 4, 2, 16
     q, k, v, _ = random_inputs(jax.random.PRNGKey(10), b, s, s, hq, hkv, d, jnp.bfloat16)
     res = saved_residuals(lambda q, k, v: pf.flash_attention(q, k, v, causal=True), q, k, v)
@@ -186,7 +186,8 @@ def test_residuals_are_inputs_output_and_lse_only():
         ((b, s, hkv, d), "bfloat16"),  # k
         ((b, s, hkv, d), "bfloat16"),  # v
         ((b, s, hq, d), "bfloat16"),   # out
-        ((b, hq, s), "float32"),       # lse
+        ((b, hq, s), "float32"),       # M: each row's max logit (stats.py)
+        ((b, hq, s), "float32"),       # L: log2 of each row's softmax denominator
     ]), shapes
     # The plain-jnp reference, by contrast, saves seq x seq arrays: the check can fail.
     ref = saved_residuals(lambda q, k, v: pf.reference_attention(q, k, v, causal=True), q, k, v)

@@ -1,8 +1,9 @@
 """Backward kernels, lowered through Pallas Triton, FlashAttention-2 style, without atomics.
 
-Both kernels recompute P = 2^(S - lse) tile by tile from Q, K and the saved logsumexp; nothing of
-size seq_q x seq_kv ever exists. With dS = P * (dP - D), dP = dO V^T and D = rowsum(dO * O) - dlse
-(the lse cotangent enters here: d lse_i / d S_ij = P_ij):
+Both kernels recompute P = 2^((U - m) c - r) tile by tile from Q, K and the saved row
+statistics (stats.py); nothing of size seq_q x seq_kv ever exists. With dS = P * (dP - D),
+dP = dO V^T and D = rowsum(dO * O) - dlse (the lse cotangent enters here: d lse_i / d S_ij =
+P_ij):
 
 * dK/dV kernel. Grid (key blocks, batch, kv_heads). Each program owns block_kv keys of one kv
   head, and loops over the `group` q heads that share it (GQA/MQA) and, inside, over the query
@@ -11,8 +12,11 @@ size seq_q x seq_kv ever exists. With dS = P * (dP - D), dP = dO V^T and D = row
 * dQ kernel. Grid (query blocks, batch, q_heads), looping over key blocks:  dQ += dS K * scale.
 
 Softcap: S = c * tanh(S_raw / c), so dS_raw = dS * (1 - tanh^2).
-Rows that saw no key (lse = -inf) are read as lse = +inf, which turns their P into exactly 0;
-rows past the end of the sequence are read the same way, so neither needs a mask.
+Rows that saw no key (r = -inf) are read as r = +inf, which turns their P into exactly 0; rows
+past the end of the sequence are read the same way, so neither needs a mask.
+On masked tiles P and dS are set to 0 outside the mask, and the operand of each block matmul
+whose rows a masked pair may skip (Q for dK, K for dQ) has its NaN and inf entries zeroed: a
+non-finite input reaches exactly the gradients that depend on it (common.py).
 """
 
 from __future__ import annotations
@@ -26,23 +30,26 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_flash.masking import segment_block_ranges
 from pallas_flash.spec import AttentionSpec
+from pallas_flash.stats import RowStats
 from pallas_flash.triton import common
 
 __all__ = ["backward"]
 
 
-def _load_lse2(ref, start, block, n_rows, head=None):
-    """Base-2 lse of a query block; -inf (saw nothing) and rows past the end become +inf."""
-    lse = common.load_vector(ref, start, block, n_rows, head=head, other=jnp.inf)
-    return jnp.where(lse == -jnp.inf, jnp.inf, lse) * common.LOG2E
+def _load_stats(m_ref, r_ref, start, block, n_rows, head=None):
+    """m and r of a query block; r = -inf (saw nothing) and rows past the end become r = +inf."""
+    m = common.load_vector(m_ref, start, block, n_rows, head=head, other=0.0)
+    r = common.load_vector(r_ref, start, block, n_rows, head=head, other=jnp.inf)
+    return m, jnp.where(r == -jnp.inf, jnp.inf, r)
 
 
-def _probabilities_and_ds(spec, q, k, v, do, lse2, delta, vis):
+def _probabilities_and_ds(spec, q, k, v, do, stats, delta, vis):
     """P and dS (w.r.t. the raw scaled logits) of one tile."""
-    s2, t = common.scores(spec, q, k)
+    m, r = stats
+    u, t = common.logits(spec, q, k)
+    p = jnp.exp2((u - m[:, None]) * common.exp2_factor(spec) - r[:, None])
     if vis is not None:
-        s2 = jnp.where(vis, s2, -jnp.inf)
-    p = jnp.exp2(s2 - lse2[:, None])
+        p = jnp.where(vis, p, 0.0)  # 0 even on rows whose r is NaN
     dp = common.dot(spec, do, v, trans_b=True)
     ds = p * (dp - delta[:, None])
     if t is not None:
@@ -52,10 +59,16 @@ def _probabilities_and_ds(spec, q, k, v, do, lse2, delta, vis):
     return p, ds
 
 
+def _ds_product(spec, ds, x, *, trans_a=False):
+    """ds @ x (or ds^T @ x) in x's dtype, safe from float16 overflow (common.scaled_for_cast)."""
+    ds, f = common.scaled_for_cast(ds, x.dtype)
+    return common.unscale(common.dot(spec, ds, x, trans_a=trans_a), f)
+
+
 def _dkdv_kernel(*refs, spec: AttentionSpec, group: int, block_q: int, block_kv: int,
                  head_dim: int):
-    (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref), segment_refs, (dk_ref, dv_ref) = (
-        common.split_refs(refs, 6, spec.has_segments))
+    (q_ref, k_ref, v_ref, do_ref, m_ref, r_ref, delta_ref), segment_refs, (dk_ref, dv_ref) = (
+        common.split_refs(refs, 7, spec.has_segments))
     q_ids_ref, kv_ids_ref, lo_ref, hi_ref = segment_refs
     mask = spec.mask
     acc_dtype = common.accumulator_dtype(q_ref.dtype)
@@ -78,21 +91,23 @@ def _dkdv_kernel(*refs, spec: AttentionSpec, group: int, block_q: int, block_kv:
             q_start = i * block_q
             q = common.load_tile(q_ref, q_start, block_q, mask.seq_q, cols, head=g)
             do = common.load_tile(do_ref, q_start, block_q, mask.seq_q, cols, head=g)
-            lse2 = _load_lse2(lse_ref, q_start, block_q, mask.seq_q, head=g)
+            stats = _load_stats(m_ref, r_ref, q_start, block_q, mask.seq_q, head=g)
             delta = common.load_vector(delta_ref, q_start, block_q, mask.seq_q, head=g, other=0.0)
             vis = None
+            q_for_dk = q
             if masked:
                 q_ids = None
                 if q_ids_ref is not None:
                     q_ids = common.load_vector(q_ids_ref, q_start, block_q, mask.seq_q, other=-1)
                 q_pos = common.row_positions(q_start, block_q)
                 vis = common.tile_visible(spec, q_pos, k_pos, q_ids, kv_ids)
-                rows_seen = common.any_along(vis, 1)
-                q = common.zero_unseen_rows(q, rows_seen)
-                do = common.zero_unseen_rows(do, rows_seen)
-            p, ds = _probabilities_and_ds(spec, q, k, v, do, lse2, delta, vis)
+                do = common.zero_unseen_rows(do, common.any_along(vis, 1))
+                # A NaN in q[i] reaches dK[j] through dS[i, j], NaN for every key j that row i
+                # sees; for the keys it does not see, dS[i, j] = 0 must not meet the NaN itself.
+                q_for_dk = common.finite_or_zero(q)
+            p, ds = _probabilities_and_ds(spec, q, k, v, do, stats, delta, vis)
             dv = dv + common.dot(spec, p.astype(do.dtype), do, trans_a=True)
-            dk = dk + common.dot(spec, ds.astype(q.dtype), q, trans_a=True)
+            dk = dk + _ds_product(spec, ds, q_for_dk, trans_a=True)
             return dk, dv
 
         return common.three_phase_loop(bounds, step, carry)
@@ -104,8 +119,8 @@ def _dkdv_kernel(*refs, spec: AttentionSpec, group: int, block_q: int, block_kv:
 
 
 def _dq_kernel(*refs, spec: AttentionSpec, block_q: int, block_kv: int, head_dim: int):
-    (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref), segment_refs, (dq_ref,) = (
-        common.split_refs(refs, 6, spec.has_segments))
+    (q_ref, k_ref, v_ref, do_ref, m_ref, r_ref, delta_ref), segment_refs, (dq_ref,) = (
+        common.split_refs(refs, 7, spec.has_segments))
     q_ids_ref, kv_ids_ref, lo_ref, hi_ref = segment_refs
     mask = spec.mask
     acc_dtype = common.accumulator_dtype(q_ref.dtype)
@@ -116,7 +131,7 @@ def _dq_kernel(*refs, spec: AttentionSpec, block_q: int, block_kv: int, head_dim
     q_pos = common.row_positions(q_start, block_q)
     q = common.load_tile(q_ref, q_start, block_q, mask.seq_q, cols)
     do = common.load_tile(do_ref, q_start, block_q, mask.seq_q, cols)
-    lse2 = _load_lse2(lse_ref, q_start, block_q, mask.seq_q)
+    stats = _load_stats(m_ref, r_ref, q_start, block_q, mask.seq_q)
     delta = common.load_vector(delta_ref, q_start, block_q, mask.seq_q, other=0.0)
     q_ids = None
     if q_ids_ref is not None:
@@ -127,15 +142,16 @@ def _dq_kernel(*refs, spec: AttentionSpec, block_q: int, block_kv: int, head_dim
         k = common.load_tile(k_ref, k_start, block_kv, mask.seq_kv, cols)
         v = common.load_tile(v_ref, k_start, block_kv, mask.seq_kv, cols)
         vis = None
+        k_for_dq = k
         if masked:
             kv_ids = None
             if kv_ids_ref is not None:
                 kv_ids = common.load_vector(kv_ids_ref, k_start, block_kv, mask.seq_kv, other=-2)
             k_pos = common.row_positions(k_start, block_kv)
             vis = common.tile_visible(spec, q_pos, k_pos, q_ids, kv_ids)
-            k = common.zero_unseen_rows(k, common.any_along(vis, 0))
-        _, ds = _probabilities_and_ds(spec, q, k, v, do, lse2, delta, vis)
-        return dq + common.dot(spec, ds.astype(k.dtype), k)
+            k_for_dq = common.finite_or_zero(k)   # as q in the dK/dV kernel
+        _, ds = _probabilities_and_ds(spec, q, k, v, do, stats, delta, vis)
+        return dq + _ds_product(spec, ds, k_for_dq)
 
     bounds = mask.kv_blocks(q_start, block_q, block_kv, mask.seq_kv)
     bounds = common.block_range(bounds, lo_ref, hi_ref)
@@ -143,8 +159,13 @@ def _dq_kernel(*refs, spec: AttentionSpec, block_q: int, block_kv: int, head_dim
     common.store_tile(dq_ref, q_start, block_q, mask.seq_q, cols, dq * spec.scale)
 
 
-def backward(spec: AttentionSpec, q, k, v, out, lse, do, dlse, q_ids=None, kv_ids=None):
-    """(dq, dk, dv) in the dtypes of q, k, v. dlse is the cotangent of lse (zeros if unused)."""
+def backward(spec: AttentionSpec, q, k, v, out, stats: RowStats, do, dlse, q_ids=None,
+             kv_ids=None):
+    """(dq, dk, dv) in the dtypes of q, k, v.
+
+    stats: the forward's row statistics (stats.RowStats); dlse: the cotangent of the public lse
+    (zeros if unused).
+    """
     batch, seq_q, q_heads, head_dim = q.shape
     seq_kv, kv_heads = k.shape[1], k.shape[2]
     group = q_heads // kv_heads
@@ -164,8 +185,8 @@ def backward(spec: AttentionSpec, q, k, v, out, lse, do, dlse, q_ids=None, kv_id
     group_q = pl.BlockSpec((None, seq_q, group, d_pad), lambda j, b, h: (b, 0, h, 0))
     group_rows = pl.BlockSpec((None, group, seq_q), lambda j, b, h: (b, h, 0))
     own_kv = pl.BlockSpec((None, seq_kv, None, d_pad), lambda j, b, h: (b, 0, h, 0))
-    in_specs = [group_q, own_kv, own_kv, group_q, group_rows, group_rows]
-    args = [q, k, v, do, lse, delta]
+    in_specs = [group_q, own_kv, own_kv, group_q, group_rows, group_rows, group_rows]
+    args = [q, k, v, do, stats.m, stats.r, delta]
     if spec.has_segments:
         # Per key block: the query blocks whose ids may match.
         lo, hi = segment_block_ranges(kv_ids, q_ids, block_kv, block_q)
@@ -191,8 +212,8 @@ def backward(spec: AttentionSpec, q, k, v, out, lse, do, dlse, q_ids=None, kv_id
     own_q = pl.BlockSpec((None, seq_q, None, d_pad), lambda i, b, h: (b, 0, h, 0))
     shared_kv = pl.BlockSpec((None, seq_kv, None, d_pad), lambda i, b, h: (b, 0, h // group, 0))
     own_rows = pl.BlockSpec((None, None, seq_q), lambda i, b, h: (b, h, 0))
-    in_specs = [own_q, shared_kv, shared_kv, own_q, own_rows, own_rows]
-    args = [q, k, v, do, lse, delta]
+    in_specs = [own_q, shared_kv, shared_kv, own_q, own_rows, own_rows, own_rows]
+    args = [q, k, v, do, stats.m, stats.r, delta]
     if spec.has_segments:
         lo, hi = segment_block_ranges(q_ids, kv_ids, block_q, block_kv)
         seg_specs, seg_args = common.segment_operands(q_ids, kv_ids, lo, hi)

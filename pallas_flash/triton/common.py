@@ -8,13 +8,15 @@ Conventions every kernel here follows:
   came back wrong), so every load and store of a possibly partial tile carries a row mask.
 * head_dim is padded to a power of two (the lowering only builds power-of-two tensors) and the
   padding columns are masked on load (read as 0, which adds nothing to q.k) and on store.
-* Logits are kept in base 2: s2 = (q.k * scale) * log2(e), so the softmax uses exp2, which is
-  one instruction on the GPU. The lse that leaves the kernel is converted back to natural log.
+* Logits stay in *logit units* u (the raw q.k, or tanh(q.k * scale / softcap)); a weight is
+  2^((u - m) * c) with c = logit_scale * log2(e), so the softmax uses exp2, one instruction on the
+  GPU, and u - m is formed before any scaling, exactly near the row maximum (stats.py says why).
+* A masked weight is 0, but 0 * NaN is NaN: on masked tiles, non-finite operand rows that a pair
+  does not use are replaced by 0 before a block matmul, so a NaN or inf input reaches exactly the
+  outputs that depend on it (`finite_or_zero`, `poisoned`).
 """
 
 from __future__ import annotations
-
-import math
 
 import jax
 import jax.numpy as jnp
@@ -23,10 +25,10 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_flash.masking import with_segment_range
 from pallas_flash.spec import AttentionSpec
+from pallas_flash.stats import LOG2E, logit_scale
 
-LOG2E = math.log2(math.e)
-LN2 = math.log(2.0)
 MIN_TILE = 16
+F16_MAX = 65504.0
 
 
 def fit_block(block: int, seq: int) -> int:
@@ -96,16 +98,21 @@ def dot(spec: AttentionSpec, a, b, *, trans_a=False, trans_b=False):
                      precision=_dot_precision(spec, a.dtype))
 
 
-def scores(spec: AttentionSpec, q, k):
-    """Base-2 logits of a tile, and tanh(logits / softcap) for the backward's chain rule.
+def exp2_factor(spec: AttentionSpec) -> float:
+    """c in P = 2^((u - m) * c): one logit unit, in base-2 logits."""
+    return logit_scale(spec) * LOG2E
 
-    Returns (s2 [block_q, block_kv], t or None).
+
+def logits(spec: AttentionSpec, q, k):
+    """Logits of a tile in logit units, and tanh(logits / softcap) for the backward's chain rule.
+
+    Returns (u [block_q, block_kv], t or None): u = q.k, or u = t with a softcap.
     """
     s = dot(spec, q, k, trans_b=True)
     if spec.softcap is None:
-        return s * (spec.scale * LOG2E), None
+        return s, None
     t = jnp.tanh(s * (spec.scale / spec.softcap))
-    return t * (spec.softcap * LOG2E), t
+    return t, t
 
 
 def tile_visible(spec: AttentionSpec, q_pos, k_pos, q_ids=None, kv_ids=None):
@@ -146,12 +153,61 @@ def any_along(mask, axis: int):
 
 
 def zero_unseen_rows(x, seen):
-    """Rows of an operand tile that no pair of the tile uses, set to 0.
-
-    A masked weight is 0, but 0 * NaN is NaN: without this, garbage (NaN, inf) in padding or in
-    rows a tile never attends would leak into the block matmuls. Only masked tiles pay for it.
-    """
+    """Rows of an operand tile that no pair of the tile uses, set to 0 (garbage in padding or in
+    rows a tile never attends must not reach the block matmuls)."""
     return jnp.where(seen[:, None], x, jnp.zeros_like(x))
+
+
+def finite_or_zero(x):
+    """x with its NaN and inf entries replaced by 0 (`|x| < inf` is False for both)."""
+    return jnp.where(jnp.abs(x) < jnp.inf, x, jnp.zeros_like(x))
+
+
+def poisoned(spec: AttentionSpec, vis, x):
+    """[block_q, head_dim] bool: does output (i, d) of `weights @ x` use a non-finite x[j, d]?
+
+    The companion of `finite_or_zero`: the product runs on the cleaned operand, and the entries
+    this marks are set to NaN afterwards, so a non-finite input still shows, in exactly the rows
+    (and columns) whose visible pairs use it. A 0/1 matmul: exact in any dtype.
+    """
+    bad = jnp.where(jnp.abs(x) < jnp.inf, 0.0, 1.0).astype(x.dtype)
+    return dot(spec, vis.astype(x.dtype), bad) > 0
+
+
+def scaled_for_cast(x, dtype):
+    """(x / f, f) with f >= 1 chosen so that x / f fits `dtype`; f = 1 unless dtype is float16.
+
+    The backward casts dS to the input dtype for the dS.K and dS^T.Q products. float16 tops out
+    at 65504, and |dS| exceeds that when |v| is near float16's maximum; bfloat16 and float32
+    have float32's range. So a float16 tile whose largest |dS| passes 2^14 is divided by
+    max|dS| / 2^14 and the float32 product multiplied back: no overflow, and the division costs
+    only float32 rounding (2^-24), far below float16's 2^-11. A NaN or inf max keeps f = 1, so
+    non-finite values stay where they are instead of spreading over the tile.
+    """
+    if jnp.dtype(dtype) != jnp.float16:
+        return x.astype(dtype), None
+    limit = 2.0 ** 14
+    amax = jnp.max(jnp.max(jnp.abs(x), axis=1), axis=0)
+    f = jnp.where((amax > limit) & (amax < jnp.inf), amax * (1.0 / limit), 1.0)
+    return (x / f).astype(dtype), f
+
+
+def unscale(x, f):
+    return x if f is None else x * f
+
+
+def clamp_to_dtype(x, dtype):
+    """float16 outputs: finite values just past 65504 (rounding) clamped to +-65504.
+
+    O is a convex combination of rows of v, so |O| <= max |v| <= 65504 exactly; but P is rounded
+    to float16 for P.V while the denominator sums the float32 weights, so a computed |O| can land
+    a few ulps above 65504 and round to inf. Only finite values move: an inf (from an inf input)
+    and NaN stay as they are.
+    """
+    if jnp.dtype(dtype) != jnp.float16:
+        return x
+    over = (jnp.abs(x) > F16_MAX) & (jnp.abs(x) < jnp.inf)
+    return jnp.where(over, jnp.where(x > 0, F16_MAX, -F16_MAX), x)
 
 
 def block_range(bounds, seg_lo_ref, seg_hi_ref):

@@ -1,18 +1,18 @@
-"""Forward kernel, lowered through Pallas Triton: O and the row logsumexp.
+"""Forward kernel, lowered through Pallas Triton: O and the row statistics (m, r).
 
 Grid: (query blocks, batch, q_heads). Each program owns block_q query rows of one (batch, head)
 and walks the key/value blocks of that head's kv head (head // group, so GQA/MQA never copies
-K/V) with the online softmax of FlashAttention-2:
+K/V) with the online softmax of FlashAttention-2, in logit units u (stats.py) and base 2:
 
-    m_j   = max(m_{j-1}, rowmax(S_j))                 S_j = scale * Q K_j^T, in base 2
-    l_j   = l_{j-1} * 2^(m_{j-1} - m_j) + rowsum(2^(S_j - m_j))
-    acc_j = acc_{j-1} * 2^(m_{j-1} - m_j) + 2^(S_j - m_j) V_j
-    O = acc / l,    lse = (m + log2 l) * ln 2
+    m_j   = max(m_{j-1}, rowmax(U_j))                  U_j = Q K_j^T (or its tanh, softcapped)
+    l_j   = l_{j-1} * 2^((m_{j-1} - m_j) c) + rowsum(2^((U_j - m_j) c))
+    acc_j = acc_{j-1} * 2^((m_{j-1} - m_j) c) + 2^((U_j - m_j) c) V_j
+    O = acc / l,    r = log2 l,    c = logit_scale * log2(e)
 
 Key blocks that no query of the tile may see are never visited (masking.py gives the range);
 blocks that every query sees fully skip the mask. A row that sees no key keeps m = -inf and
-l = 0, and leaves with O = 0 and lse = -inf: the running max is replaced by 0 wherever it is
-still -inf, so no inf - inf is ever formed.
+l = 0, and leaves with O = 0, m = 0 and r = -inf: the running max is replaced by 0 wherever it
+is still -inf, so no inf - inf is ever formed.
 """
 
 from __future__ import annotations
@@ -26,13 +26,14 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_flash.masking import segment_block_ranges
 from pallas_flash.spec import AttentionSpec
+from pallas_flash.stats import RowStats
 from pallas_flash.triton import common
 
 __all__ = ["forward"]
 
 
 def _forward_kernel(*refs, spec: AttentionSpec, block_q: int, block_kv: int, head_dim: int):
-    (q_ref, k_ref, v_ref), segment_refs, (o_ref, lse_ref) = common.split_refs(
+    (q_ref, k_ref, v_ref), segment_refs, (o_ref, m_ref, r_ref) = common.split_refs(
         refs, 3, spec.has_segments)
     q_ids_ref, kv_ids_ref, lo_ref, hi_ref = segment_refs
     mask = spec.mask
@@ -46,26 +47,33 @@ def _forward_kernel(*refs, spec: AttentionSpec, block_q: int, block_kv: int, hea
     if q_ids_ref is not None:
         q_ids = common.load_vector(q_ids_ref, q_start, block_q, mask.seq_q, other=-1)
 
+    c = common.exp2_factor(spec)
+
     def step(j, carry, masked):
         acc, m, l = carry
         k_start = j * block_kv
         k = common.load_tile(k_ref, k_start, block_kv, mask.seq_kv, cols)
         v = common.load_tile(v_ref, k_start, block_kv, mask.seq_kv, cols)
-        s2, _ = common.scores(spec, q, k)
+        u, _ = common.logits(spec, q, k)
+        poison = None
         if masked:
             kv_ids = None
             if kv_ids_ref is not None:
                 kv_ids = common.load_vector(kv_ids_ref, k_start, block_kv, mask.seq_kv, other=-2)
             k_pos = common.row_positions(k_start, block_kv)
             vis = common.tile_visible(spec, q_pos, k_pos, q_ids, kv_ids)
-            s2 = jnp.where(vis, s2, -jnp.inf)
-            v = common.zero_unseen_rows(v, common.any_along(vis, 0))
-        m_new = jnp.maximum(m, jnp.max(s2, axis=1))
+            u = jnp.where(vis, u, -jnp.inf)
+            poison = common.poisoned(spec, vis, v)
+            v = common.finite_or_zero(v)
+        m_new = jnp.maximum(m, jnp.max(u, axis=1))
         m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-        alpha = jnp.exp2(m - m_safe)
-        p = jnp.exp2(s2 - m_safe[:, None])
+        alpha = jnp.exp2((m - m_safe) * c)
+        p = jnp.exp2((u - m_safe[:, None]) * c)
         l = l * alpha + jnp.sum(p, axis=1)
-        acc = acc * alpha[:, None] + common.dot(spec, p.astype(v.dtype), v)
+        pv = common.dot(spec, p.astype(v.dtype), v)
+        if poison is not None:
+            pv = jnp.where(poison, jnp.nan, pv)
+        acc = acc * alpha[:, None] + pv
         return acc, m_new, l
 
     init = (
@@ -77,17 +85,19 @@ def _forward_kernel(*refs, spec: AttentionSpec, block_q: int, block_kv: int, hea
     bounds = common.block_range(bounds, lo_ref, hi_ref)
     acc, m, l = common.three_phase_loop(bounds, step, init)
 
-    # `l != 0` rather than `l > 0`: a NaN row must stay NaN (lse too), not pass for empty.
+    # `l != 0` rather than `l > 0`: a NaN row must stay NaN (r too), not pass for empty.
     seen = l != 0
-    out = acc / jnp.where(seen, l, 1.0)[:, None]
-    lse = jnp.where(seen, (m + jnp.log2(jnp.where(seen, l, 1.0))) * common.LN2, -jnp.inf)
+    out = common.clamp_to_dtype(acc / jnp.where(seen, l, 1.0)[:, None], o_ref.dtype)
     common.store_tile(o_ref, q_start, block_q, mask.seq_q, cols, out)
     ok = q_pos < mask.seq_q
-    plgpu.store(lse_ref.at[pl.ds(q_start, block_q)], lse.astype(lse_ref.dtype), mask=ok)
+    index = pl.ds(q_start, block_q)
+    plgpu.store(m_ref.at[index], jnp.where(m == -jnp.inf, 0.0, m).astype(m_ref.dtype), mask=ok)
+    plgpu.store(r_ref.at[index], jnp.log2(l).astype(r_ref.dtype), mask=ok)
 
 
 def forward(spec: AttentionSpec, q, k, v, q_ids=None, kv_ids=None):
-    """O [batch, seq_q, q_heads, head_dim] and lse [batch, q_heads, seq_q].
+    """O [batch, seq_q, q_heads, head_dim] and the row statistics (stats.RowStats, each
+    [batch, q_heads, seq_q]).
 
     q_ids/kv_ids: int32 [batch, seq] segment ids, with padding folded in (masking.py); given
     exactly when spec.has_segments.
@@ -111,24 +121,27 @@ def forward(spec: AttentionSpec, q, k, v, q_ids=None, kv_ids=None):
         in_specs += seg_specs
         args += seg_args
 
-    lse_dtype = common.accumulator_dtype(q.dtype)
+    stats_dtype = common.accumulator_dtype(q.dtype)
+    per_row = pl.BlockSpec((None, None, seq_q), lambda i, b, h: (b, h, 0))
     kernel = functools.partial(
         _forward_kernel, spec=spec, block_q=block_q, block_kv=block_kv, head_dim=head_dim
     )
-    out, lse = pl.pallas_call(
+    out, m, r = pl.pallas_call(
         kernel,
         grid=(n_q_blocks, batch, q_heads),
         in_specs=in_specs,
         out_specs=[
             pl.BlockSpec((None, seq_q, None, d_pad), lambda i, b, h: (b, 0, h, 0)),
-            pl.BlockSpec((None, None, seq_q), lambda i, b, h: (b, h, 0)),
+            per_row,
+            per_row,
         ],
         out_shape=[
             jax.ShapeDtypeStruct(q.shape, q.dtype),
-            jax.ShapeDtypeStruct((batch, q_heads, seq_q), lse_dtype),
+            jax.ShapeDtypeStruct((batch, q_heads, seq_q), stats_dtype),
+            jax.ShapeDtypeStruct((batch, q_heads, seq_q), stats_dtype),
         ],
         compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
         interpret=spec.interpret,
         name="pallas_flash_fwd",
     )(*args)
-    return out, lse
+    return out, RowStats(m, r)
