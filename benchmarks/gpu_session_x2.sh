@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# One device call on the 2-GPU machine (nvidia-h200-x2): everything a kernel change must prove.
+#   usage: bash benchmarks/gpu_session_x2.sh
+# Phase 1, concurrently (the tests are compile-bound, so they share the GPUs well):
+#   - the compiled suite minus the multi-device files, each pytest worker on one GPU;
+#   - the multi-device files (sharding, ring attention) with both GPUs visible;
+#   - benchmarks/huge_check.py (1M tokens x 32 heads: > 2^31 elements per tensor) on GPU 1.
+# Phase 2, alone on the machine (timings): benchmarks/scaling.py (1 GPU against 2), then a short
+# benchmark of our kernels against cuDNN in the same process.
+# Logs go to $OUT; JSON results are packed into one results.tar.gz (the tool returns 8 files).
+set -o pipefail
+export PYTHONUNBUFFERED=1 PYTHONPATH=. XLA_PYTHON_CLIENT_PREALLOCATE=false
+OUT=${OUT:-/tmp/out}
+R="$OUT/r"
+mkdir -p "$R"
+nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu,memory.used --format=csv \
+  > "$R/gpu.txt" 2>&1
+MULTI="tests/test_sharding.py tests/test_sharded_example.py tests/test_scaling_bench.py"
+IGNORE=$(for f in $MULTI; do printf -- "--ignore=%s " "$f"; done)
+
+PALLAS_FLASH_SPREAD_GPUS=2 timeout "${SUITE_TIMEOUT:-330}" python3 -m pytest -v --compiled \
+  -p no:cacheprovider -n "${WORKERS:-26}" $IGNORE tests > "$OUT/tests.log" 2>&1 &
+SUITE=$!
+timeout "${MULTI_TIMEOUT:-300}" python3 -m pytest -v --compiled -p no:cacheprovider -n 2 $MULTI \
+  > "$OUT/tests_multi.log" 2>&1 &
+MULTI_PID=$!
+CUDA_VISIBLE_DEVICES=1 timeout "${HUGE_TIMEOUT:-320}" python3 benchmarks/huge_check.py --out "$R" \
+  > "$OUT/huge.log" 2>&1 &
+HUGE=$!
+wait $SUITE; echo "pytest exit: $?" >> "$OUT/tests.log"
+wait $MULTI_PID; echo "pytest exit: $?" >> "$OUT/tests_multi.log"
+wait $HUGE; echo "huge_check exit: $?" >> "$OUT/huge.log"
+
+XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 timeout "${SCALING_TIMEOUT:-140}" python3 benchmarks/scaling.py \
+  --out "$R" > "$OUT/scaling.log" 2>&1
+echo "scaling exit: $?" >> "$OUT/scaling.log"
+CUDA_VISIBLE_DEVICES=0 timeout "${BENCH_TIMEOUT:-100}" python3 -m pallas_flash.bench --out "$R" \
+  --cases "${BENCH_CASES:-2x8192x16x16x128,2x8192x8x8x256}" --impls pallas_flash,cudnn \
+  --iters 10 --iters-bwd 5 --no-plot > "$OUT/bench.log" 2>&1
+echo "bench exit: $?" >> "$OUT/bench.log"
+
+tar -czf "$OUT/results.tar.gz" -C "$R" . && rm -rf "$R"
+for f in tests tests_multi; do
+  echo "== $f"; grep -E "^(FAILED|ERROR)|passed|failed|exit" "$OUT/$f.log" | tail -15
+done
+echo "== huge"; tail -25 "$OUT/huge.log"
+echo "== scaling"; tail -25 "$OUT/scaling.log"
+echo "== bench"; tail -25 "$OUT/bench.log"
