@@ -4,7 +4,9 @@
 # Phase 1, concurrently (the tests are compile-bound, so they share the GPUs well):
 #   - the compiled suite minus the multi-device files, each pytest worker on one GPU;
 #   - the multi-device files (sharding, ring attention) with both GPUs visible;
-#   - benchmarks/huge_check.py (1M tokens x 32 heads: > 2^31 elements per tensor) on GPU 1.
+#   - benchmarks/huge_check.py (1M tokens x 32 heads: > 2^31 elements per tensor) on GPU 1;
+#   - benchmarks/mosaic_check.py (the draft Mosaic GPU forward: does it compile, is it right) on
+#     GPU 0, its timings only indicative here (the suite shares the GPU).
 # Phase 2, alone on the machine (timings): benchmarks/scaling.py (1 GPU against 2), then a short
 # benchmark of our kernels against cuDNN in the same process.
 # Logs go to $OUT; JSON results are packed into one results.tar.gz (the tool returns 8 files).
@@ -27,9 +29,13 @@ MULTI_PID=$!
 CUDA_VISIBLE_DEVICES=1 timeout "${HUGE_TIMEOUT:-320}" python3 benchmarks/huge_check.py --out "$R" \
   > "$OUT/huge.log" 2>&1 &
 HUGE=$!
+CUDA_VISIBLE_DEVICES=0 timeout "${MOSAIC_TIMEOUT:-170}" python3 benchmarks/mosaic_check.py --out "$R" \
+  > "$OUT/mosaic.log" 2>&1 &
+MOSAIC=$!
 wait $SUITE; echo "pytest exit: $?" >> "$OUT/tests.log"
 wait $MULTI_PID; echo "pytest exit: $?" >> "$OUT/tests_multi.log"
 wait $HUGE; echo "huge_check exit: $?" >> "$OUT/huge.log"
+wait $MOSAIC; echo "mosaic_check exit: $?" >> "$OUT/mosaic.log"
 
 XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 timeout "${SCALING_TIMEOUT:-140}" python3 benchmarks/scaling.py \
   --out "$R" > "$OUT/scaling.log" 2>&1
@@ -44,5 +50,6 @@ for f in tests tests_multi; do
   echo "== $f"; grep -E "^(FAILED|ERROR)|passed|failed|exit" "$OUT/$f.log" | tail -15
 done
 echo "== huge"; tail -25 "$OUT/huge.log"
+echo "== mosaic"; tail -20 "$OUT/mosaic.log"
 echo "== scaling"; tail -25 "$OUT/scaling.log"
 echo "== bench"; tail -25 "$OUT/bench.log"

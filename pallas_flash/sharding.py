@@ -45,6 +45,13 @@ Two ways to spread one attention call over a `jax.sharding.Mesh`:
   layout; a model permutes its tokens (and position ids) once at the input, and everything but
   attention is position-wise, so nothing else changes.
 
+  Packed documents: segment ids are sharded like the tokens (in the same layout), and the kv ids
+  travel the ring with their K/V shard, forward and backward, so every pair call gets the ids
+  of its exact rows and columns and masks by document like `flash_attention`. A row that sees no
+  key of its document in one pair gets lse = -inf there and is merged with weight 0. Padding
+  lengths count natural positions; each device folds them into its ids (as `flash_attention`
+  does) from the natural positions of its chunks, so no global array is ever built.
+
 Both entry points take and return global arrays and run shard_map inside; `ring_attention_local`
 is the per-device function for code that is already inside a `jax.shard_map` (with
 check_vma=False: the kernels' pallas_calls do not declare how their outputs vary over mesh
@@ -66,7 +73,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from pallas_flash import attention, stats, validation
 from pallas_flash.config import FlashConfig
-from pallas_flash.masking import make_mask_spec
+from pallas_flash.masking import fold_lengths, make_mask_spec
 from pallas_flash.spec import AttentionSpec
 from pallas_flash.triton import backward as triton_backward
 from pallas_flash.triton import forward as triton_forward
@@ -314,10 +321,12 @@ class _RingPlan:
     diagonal: step 0 (the device's own K/V shard).
     early: a step whose K/V shard comes from an earlier device in the sequence.
     late: one from a later device; None when it is fully masked (skipped).
+    layout: "contiguous" or "zigzag": which natural positions the local rows hold.
     """
 
     axis_name: str
     axis_size: int
+    layout: str
     diagonal: _Block
     early: _Block
     late: _Block | None
@@ -342,24 +351,34 @@ def _make_plan(axis_name: str, axis_size: int, seq: int, *, causal: bool, layout
         half = seq // 2
         early = block(whole, (0, half))   # an earlier device's first chunk precedes both ours
         late = block((half, seq), whole)  # both chunks of a later device precede our second
-    return _RingPlan(axis_name, axis_size, diagonal, early, late)
+    return _RingPlan(axis_name, axis_size, layout, diagonal, early, late)
 
 
-def _kernel_options(q, k, v, *, causal, scale, softcap, precision, config, interpret):
-    """Validated options, as a function (seq_q, seq_kv, causal) -> AttentionSpec."""
+def _kernel_options(q, k, v, *, causal, scale, softcap, precision, config, interpret, ids):
+    """Validated options, as a function (seq_q, seq_kv, causal) -> AttentionSpec.
+
+    ids: the segment-id and length arguments by name (None where not given), checked against
+    the shapes of q and k as `flash_attention` checks them.
+    """
     opts = validation.validate(
         q, k, v, causal=causal, scale=scale, causal_alignment="top_left", window=None,
-        softcap=softcap, q_segment_ids=None, kv_segment_ids=None, q_lengths=None,
-        kv_lengths=None)
+        softcap=softcap, **ids)
     precision, config, interpret = attention.kernel_options(
         q, precision=precision, config=config, interpret=interpret)
+    # Lengths are folded into ids too (masking.fold_lengths), so either kind needs the ids path.
+    has_segments = any(x is not None for x in ids.values())
 
     def spec_of(seq_q, seq_kv, masked):
         return AttentionSpec(mask=make_mask_spec(seq_q, seq_kv, causal=masked), scale=opts.scale,
-                             softcap=opts.softcap, has_segments=False, precision=precision,
-                             config=config, interpret=interpret)
+                             softcap=opts.softcap, has_segments=has_segments,
+                             precision=precision, config=config, interpret=interpret)
 
     return spec_of
+
+
+def _given_ids(**ids):
+    """The id arguments that were given, by name, in _ID_OPTIONS order."""
+    return {name: ids[name] for name in _ID_OPTIONS if ids[name] is not None}
 
 
 def _check_ring_shapes(q, k, layout: str, parts: int, where: str) -> None:
@@ -382,8 +401,10 @@ def _check_ring_shapes(q, k, layout: str, parts: int, where: str) -> None:
 def ring_attention(q, k, v, *, mesh: Mesh, axis_name: str, causal: bool = False,
                    layout: str = "contiguous", batch_axis: AxisNames = None,
                    head_axis: AxisNames = None, scale: float | None = None,
-                   softcap: float | None = None, return_lse: bool = False, precision=None,
-                   config: FlashConfig | None = None, interpret: bool | None = None):
+                   softcap: float | None = None, return_lse: bool = False,
+                   q_segment_ids=None, kv_segment_ids=None, q_lengths=None, kv_lengths=None,
+                   precision=None, config: FlashConfig | None = None,
+                   interpret: bool | None = None):
     """Exact attention with the sequence split over the mesh axis `axis_name` (a ring).
 
     Args:
@@ -397,6 +418,13 @@ def ring_attention(q, k, v, *, mesh: Mesh, axis_name: str, causal: bool = False,
         or 2P respectively.
       batch_axis, head_axis: optional mesh axes that also split the batch / the heads (data
         and head parallelism, as in `sharded_flash_attention`).
+      q_segment_ids, kv_segment_ids: int [batch, seq], given together: packed documents, a
+        query sees only keys with its id, as in `flash_attention`. They are laid out like q and
+        k (already zig-zag permuted with layout="zigzag", by the same `zigzag_permute`) and
+        sharded with them.
+      q_lengths, kv_lengths: int [batch] valid lengths in natural positions (also with
+        layout="zigzag": tokens at natural positions >= length are padding), as in
+        `flash_attention`: padded rows give 0 output and 0 gradient.
       scale, softcap, return_lse, precision, config, interpret: as for `flash_attention`.
 
     Returns:
@@ -409,71 +437,125 @@ def ring_attention(q, k, v, *, mesh: Mesh, axis_name: str, causal: bool = False,
     if not isinstance(return_lse, bool):
         raise ValueError(f"return_lse must be a bool, got {return_lse!r}")
     parts = mesh.shape[axis_name]
+    ids = dict(q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, q_lengths=q_lengths,
+               kv_lengths=kv_lengths)
     spec_of = _kernel_options(q, k, v, causal=causal, scale=scale, softcap=softcap,
-                              precision=precision, config=config, interpret=interpret)
+                              precision=precision, config=config, interpret=interpret, ids=ids)
     _check_ring_shapes(q, k, layout, parts, "global")
     _check_divisible("the batch size", q.shape[0], mesh, batch_axis, "batch_axis")
     _check_heads(q, k, mesh, head_axis)
     plan = _make_plan(axis_name, parts, q.shape[1] // parts, causal=bool(causal), layout=layout,
                       spec_of=spec_of)
-    fn = _sharded_ring_fn(mesh, plan, _freeze(batch_axis), _freeze(head_axis))
-    out, lse = fn(q, k, v)
+    ids = _given_ids(**ids)
+    fn = _sharded_ring_fn(mesh, plan, _freeze(batch_axis), _freeze(head_axis), tuple(ids))
+    out, lse = fn(q, k, v, *ids.values())
     return (out, lse) if return_lse else out
 
 
 def ring_attention_local(q, k, v, *, axis_name: str, causal: bool = False,
                          layout: str = "contiguous", scale: float | None = None,
-                         softcap: float | None = None, return_lse: bool = False, precision=None,
-                         config: FlashConfig | None = None, interpret: bool | None = None):
+                         softcap: float | None = None, return_lse: bool = False,
+                         q_segment_ids=None, kv_segment_ids=None, q_lengths=None,
+                         kv_lengths=None, precision=None, config: FlashConfig | None = None,
+                         interpret: bool | None = None):
     """The per-device ring, for use inside `jax.shard_map(..., check_vma=False)`.
 
     q, k, v are this device's shards [batch, seq / P, heads, head_dim] of a sequence split over
     the manual mesh axis `axis_name`, in the given layout (for "zigzag": this device's chunk i
-    followed by its chunk 2P-1-i). Other arguments and the result are as in `ring_attention`,
-    per device.
+    followed by its chunk 2P-1-i). q_segment_ids and kv_segment_ids are this device's shards
+    [batch, seq / P] of the ids, split like q and k; q_lengths and kv_lengths are not split
+    along the sequence: [batch] lengths in natural positions of the whole sequence. Other
+    arguments and the result are as in `ring_attention`, per device.
     """
     if not isinstance(return_lse, bool):
         raise ValueError(f"return_lse must be a bool, got {return_lse!r}")
+    ids = dict(q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, q_lengths=q_lengths,
+               kv_lengths=kv_lengths)
     spec_of = _kernel_options(q, k, v, causal=causal, scale=scale, softcap=softcap,
-                              precision=precision, config=config, interpret=interpret)
+                              precision=precision, config=config, interpret=interpret, ids=ids)
     _check_ring_shapes(q, k, layout, 1, "local")
     plan = _make_plan(axis_name, lax.axis_size(axis_name), q.shape[1], causal=bool(causal),
                       layout=layout, spec_of=spec_of)
-    out, lse = _ring_vjp(plan)(q, k, v)
+    ids = _given_ids(**ids)
+    out, lse = _ring_per_device(plan, tuple(ids), q, k, v, *ids.values())
     return (out, lse) if return_lse else out
 
 
 @functools.lru_cache(maxsize=None)
-def _sharded_ring_fn(mesh, plan: _RingPlan, batch_axis, head_axis):
+def _sharded_ring_fn(mesh, plan: _RingPlan, batch_axis, head_axis, id_names=()):
     b, h = _spec_entry(batch_axis), _spec_entry(head_axis)
     tokens = PartitionSpec(b, plan.axis_name, h, None)
     rows = PartitionSpec(b, h, plan.axis_name)
-    mapped = jax.shard_map(_ring_vjp(plan), mesh=mesh, in_specs=(tokens,) * 3,
-                           out_specs=(tokens, rows), check_vma=False)
+    # Segment ids are split along the sequence like the tokens; lengths only over the batch.
+    id_specs = tuple(PartitionSpec(b, plan.axis_name) if name.endswith("segment_ids")
+                     else PartitionSpec(b) for name in id_names)
+    in_specs = (tokens,) * 3 + id_specs
+    mapped = jax.shard_map(functools.partial(_ring_per_device, plan, id_names), mesh=mesh,
+                           in_specs=in_specs, out_specs=(tokens, rows), check_vma=False)
 
-    def run(q, k, v):
-        return mapped(*(_place(mesh, x, tokens) for x in (q, k, v)))
+    def run(*args):
+        return mapped(*(_place(mesh, x, s) for x, s in zip(args, in_specs)))
 
     return jax.jit(run)
 
 
+def _ring_per_device(plan: _RingPlan, id_names, q, k, v, *ids):
+    """The ring on one device: folds the id arguments (named by id_names) into kernel ids, then
+    runs the custom_vjp ring."""
+    q_ids = kv_ids = None
+    if id_names:
+        q_ids, kv_ids = _local_ids(plan, q.shape[0], q.shape[1], **dict(zip(id_names, ids)))
+    return _ring_vjp(plan)(q, k, v, q_ids, kv_ids)
+
+
+def _local_ids(plan: _RingPlan, batch: int, seq: int, q_segment_ids=None, kv_segment_ids=None,
+               q_lengths=None, kv_lengths=None):
+    """This device's int32 kernel ids [batch, seq] for q and k, with padding folded in.
+
+    fold_lengths marks the tokens at positions >= length, counting from the start of the arrays
+    it is given. A local chunk that starts at natural position `start` is therefore folded with
+    its lengths shifted by -start: the zig-zag layout holds two chunks far apart, so each is
+    folded on its own. Without lengths the positions do not matter and one call does it all.
+    """
+    if q_lengths is None and kv_lengths is None:
+        return fold_lengths(q_segment_ids, kv_segment_ids, None, None, batch=batch, seq_q=seq,
+                            seq_kv=seq)
+    me = lax.axis_index(plan.axis_name)
+    if plan.layout == "zigzag":
+        chunk = seq // 2
+        spans = [((0, chunk), me * chunk), ((chunk, seq), (2 * plan.axis_size - 1 - me) * chunk)]
+    else:
+        spans = [((0, seq), me * seq)]
+    def shift(lengths, start):
+        return None if lengths is None else lengths.astype(jnp.int32) - start
+
+    parts = []
+    for span, start in spans:
+        n = span[1] - span[0]
+        parts.append(fold_lengths(_rows(q_segment_ids, span, 1), _rows(kv_segment_ids, span, 1),
+                                  shift(q_lengths, start), shift(kv_lengths, start), batch=batch,
+                                  seq_q=n, seq_kv=n))
+    return tuple(jnp.concatenate(chunks, axis=1) for chunks in zip(*parts))
+
+
 @functools.lru_cache(maxsize=None)
 def _ring_vjp(plan: _RingPlan):
-    """The per-device ring as a custom_vjp function (q, k, v) -> (out, lse)."""
+    """The per-device ring as a custom_vjp function (q, k, v, q_ids, kv_ids) -> (out, lse); the
+    int32 ids (None without segments) get no cotangent."""
 
     @jax.custom_vjp
-    def ring(q, k, v):
-        return _ring_forward(plan, q, k, v)
+    def ring(q, k, v, q_ids, kv_ids):
+        return _ring_forward(plan, q, k, v, q_ids, kv_ids)
 
-    def ring_fwd(q, k, v):
-        out, lse = _ring_forward(plan, q, k, v)
+    def ring_fwd(q, k, v, q_ids, kv_ids):
+        out, lse = _ring_forward(plan, q, k, v, q_ids, kv_ids)
         # Same names as flash_attention, so one remat policy covers both.
         out = checkpoint_name(out, attention.OUT_NAME)
         lse = checkpoint_name(lse, attention.LSE_NAME)
-        return (out, lse), (q, k, v, out, lse)
+        return (out, lse), (q, k, v, out, lse, q_ids, kv_ids)
 
     def ring_bwd(residuals, cotangents):
-        return _ring_backward(plan, *residuals, *cotangents)
+        return (*_ring_backward(plan, *residuals, *cotangents), None, None)
 
     ring.defvjp(ring_fwd, ring_bwd)
     return ring
@@ -529,8 +611,8 @@ def _ring_loop(plan: _RingPlan, kv, state, visit, after=None):
 
 
 def _rows(x, span, axis: int):
-    """Static slice [span) of x along axis."""
-    return lax.slice_in_dim(x, span[0], span[1], axis=axis)
+    """Static slice [span) of x along axis (None stays None: absent segment ids)."""
+    return None if x is None else lax.slice_in_dim(x, span[0], span[1], axis=axis)
 
 
 def _merge(out_a, lse_a, out_b, lse_b):
@@ -549,13 +631,16 @@ def _merge(out_a, lse_a, out_b, lse_b):
     return weight(lse_a) * out_a + weight(lse_b) * out_b, lse
 
 
-def _ring_forward(plan: _RingPlan, q, k, v):
+def _ring_forward(plan: _RingPlan, q, k, v, q_ids=None, kv_ids=None):
     acc_dtype = jnp.float64 if q.dtype == jnp.float64 else jnp.float32
 
     def visit(block, kv, acc):
         out_acc, lse_acc = acc
-        k_t, v_t = (_rows(x, block.cols, 1) for x in kv)
-        out, row_stats = _kernel_forward(block.spec, _rows(q, block.rows, 1), k_t, v_t)
+        k_t, v_t, kv_ids_t = (_rows(x, block.cols, 1) for x in kv)
+        # With segment ids, a row whose document has no key in this pair gets lse = -inf here,
+        # and _merge gives it weight 0.
+        out, row_stats = _kernel_forward(block.spec, _rows(q, block.rows, 1), k_t, v_t,
+                                         _rows(q_ids, block.rows, 1), kv_ids_t)
         lse = stats.to_lse(block.spec, row_stats)
         out, lse = _merge(_rows(out_acc, block.rows, 1), _rows(lse_acc, block.rows, 2),
                           out.astype(acc_dtype), lse.astype(acc_dtype))
@@ -565,21 +650,22 @@ def _ring_forward(plan: _RingPlan, q, k, v):
 
     batch, seq, heads, _ = q.shape
     empty = (jnp.zeros(q.shape, acc_dtype), jnp.full((batch, heads, seq), -jnp.inf, acc_dtype))
-    out, lse = _ring_loop(plan, (k, v), empty, visit)
+    # The kv ids travel the ring with their K/V shard (None, without segments, is no array).
+    out, lse = _ring_loop(plan, (k, v, kv_ids), empty, visit)
     return out.astype(q.dtype), lse
 
 
-def _ring_backward(plan: _RingPlan, q, k, v, out, lse, d_out, d_lse):
+def _ring_backward(plan: _RingPlan, q, k, v, out, lse, q_ids, kv_ids, d_out, d_lse):
     acc_dtype = jnp.float64 if q.dtype == jnp.float64 else jnp.float32
 
     def visit(block, kv, grads):
         d_q, d_k, d_v = grads
-        k_t, v_t = (_rows(x, block.cols, 1) for x in kv)
+        k_t, v_t, kv_ids_t = (_rows(x, block.cols, 1) for x in kv)
         rows = lambda x, axis=1: _rows(x, block.rows, axis)  # noqa: E731
         # The global out and lse make these the pair's exact share of the gradients.
         dq_part, dk_part, dv_part = _kernel_backward(
             block.spec, rows(q), k_t, v_t, rows(out), stats.from_lse(rows(lse, 2)), rows(d_out),
-            rows(d_lse, 2))
+            rows(d_lse, 2), rows(q_ids), kv_ids_t)
 
         def add(acc, part, span):
             total = _rows(acc, span, 1) + part.astype(acc_dtype)
@@ -594,5 +680,6 @@ def _ring_backward(plan: _RingPlan, q, k, v, out, lse, d_out, d_lse):
         return (d_q, *_rotate(plan, (d_k, d_v)))
 
     zeros = lambda x: jnp.zeros(x.shape, acc_dtype)  # noqa: E731
-    d_q, d_k, d_v = _ring_loop(plan, (k, v), (zeros(q), zeros(k), zeros(v)), visit, pass_on)
+    d_q, d_k, d_v = _ring_loop(plan, (k, v, kv_ids), (zeros(q), zeros(k), zeros(v)), visit,
+                               pass_on)
     return d_q.astype(q.dtype), d_k.astype(k.dtype), d_v.astype(v.dtype)
