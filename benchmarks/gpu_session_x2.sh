@@ -17,32 +17,32 @@ R="$OUT/r"
 mkdir -p "$R"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu,memory.used --format=csv \
   > "$R/gpu.txt" 2>&1
-MULTI="tests/test_sharding.py tests/test_sharded_example.py tests/test_scaling_bench.py"
-IGNORE=$(for f in $MULTI; do printf -- "--ignore=%s " "$f"; done)
+MULTI_FILES="tests/test_sharding.py tests/test_sharded_example.py tests/test_scaling_bench.py"
+IGNORE=$(for f in $MULTI_FILES; do printf -- "--ignore=%s " "$f"; done)
 
 PALLAS_FLASH_SPREAD_GPUS=2 timeout "${SUITE_TIMEOUT:-330}" python3 -m pytest -v --compiled \
-  -p no:cacheprovider -n "${WORKERS:-26}" $IGNORE tests > "$OUT/tests.log" 2>&1 &
+  -p no:cacheprovider -n "${WORKERS:-26}" $IGNORE ${SUITE_FILES:-tests} > "$OUT/tests.log" 2>&1 &
 SUITE=$!
-timeout "${MULTI_TIMEOUT:-300}" python3 -m pytest -v --compiled -p no:cacheprovider -n 2 $MULTI \
+[ "${MULTI:-yes}" = skip ] || timeout "${MULTI_TIMEOUT:-300}" python3 -m pytest -v --compiled -p no:cacheprovider -n 2 $MULTI_FILES \
   > "$OUT/tests_multi.log" 2>&1 &
 MULTI_PID=$!
 CUDA_VISIBLE_DEVICES=1 timeout "${HUGE_TIMEOUT:-320}" python3 benchmarks/huge_check.py --out "$R" \
   > "$OUT/huge.log" 2>&1 &
 HUGE=$!
-CUDA_VISIBLE_DEVICES=0 timeout "${MOSAIC_TIMEOUT:-170}" python3 benchmarks/mosaic_check.py --out "$R" \
+[ "${MOSAIC:-yes}" = skip ] || CUDA_VISIBLE_DEVICES=0 timeout "${MOSAIC_TIMEOUT:-170}" python3 benchmarks/mosaic_check.py --out "$R" \
   > "$OUT/mosaic.log" 2>&1 &
-MOSAIC=$!
+MOSAIC_PID=$!
 wait $SUITE; echo "pytest exit: $?" >> "$OUT/tests.log"
 wait $MULTI_PID; echo "pytest exit: $?" >> "$OUT/tests_multi.log"
 wait $HUGE; echo "huge_check exit: $?" >> "$OUT/huge.log"
-wait $MOSAIC; echo "mosaic_check exit: $?" >> "$OUT/mosaic.log"
+wait $MOSAIC_PID; echo "mosaic_check exit: $?" >> "$OUT/mosaic.log"
 
 XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 timeout "${SCALING_TIMEOUT:-140}" python3 benchmarks/scaling.py \
-  --out "$R" > "$OUT/scaling.log" 2>&1
+  --out "$R" ${SCALING_ARGS:-} > "$OUT/scaling.log" 2>&1
 echo "scaling exit: $?" >> "$OUT/scaling.log"
 CUDA_VISIBLE_DEVICES=0 timeout "${BENCH_TIMEOUT:-100}" python3 -m pallas_flash.bench --out "$R" \
   --cases "${BENCH_CASES:-2x8192x16x16x128,2x8192x8x8x256}" --impls pallas_flash,cudnn \
-  --iters 10 --iters-bwd 5 --no-plot > "$OUT/bench.log" 2>&1
+  --iters 10 --iters-bwd 5 --no-plot ${BENCH_ARGS:-} > "$OUT/bench.log" 2>&1
 echo "bench exit: $?" >> "$OUT/bench.log"
 
 tar -czf "$OUT/results.tar.gz" -C "$R" . && rm -rf "$R"

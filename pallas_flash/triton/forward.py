@@ -63,17 +63,18 @@ def _forward_kernel(*refs, spec: AttentionSpec, block_q: int, block_kv: int, hea
             k_pos = common.row_positions(k_start, block_kv)
             vis = common.tile_visible(spec, q_pos, k_pos, q_ids, kv_ids)
             u = jnp.where(vis, u, -jnp.inf)
-            poison = common.poisoned(spec, vis, v)
+            poison = vis & common.nonfinite_rows(v)[None, :]
             v = common.finite_or_zero(v)
         m_new = jnp.maximum(m, jnp.max(u, axis=1))
         m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
         alpha = jnp.exp2((m - m_safe) * c)
         p = jnp.exp2((u - m_safe[:, None]) * c)
         l = l * alpha + jnp.sum(p, axis=1)
-        pv = common.dot(spec, p.astype(v.dtype), v)
         if poison is not None:
-            pv = jnp.where(poison, jnp.nan, pv)
-        acc = acc * alpha[:, None] + pv
+            # The visible pairs whose value row held a NaN or inf carry NaN into P.V (not into
+            # l: v cannot change lse), so exactly the rows that see it turn NaN.
+            p = jnp.where(poison, jnp.nan, p)
+        acc = acc * alpha[:, None] + common.dot(spec, p.astype(v.dtype), v)
         return acc, m_new, l
 
     init = (
