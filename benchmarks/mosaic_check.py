@@ -38,8 +38,11 @@ if ROOT not in sys.path:
 import numpy as np  # noqa: E402
 
 START = time.monotonic()
-TOTAL_BUDGET_S = 110.0      # the run must end within 120 s
-CHECK_HANG_S = 40.0         # one check (compile + run) longer than this counts as a hang
+TOTAL_BUDGET_S = 240.0      # the run must end within ~250 s
+# One check (compile + run + the reference's XLA compile) longer than this counts as a hang. 40 s
+# was too short on our H200 with 26 pytest workers compiling beside it: it fired inside the
+# reference's einsum compile, after the kernel itself had compiled and run (NOTES.md, run 8).
+CHECK_HANG_S = 120.0
 TOL = {"bfloat16": 2e-2, "float16": 4e-3}
 
 
