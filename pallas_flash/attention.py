@@ -27,6 +27,7 @@ from pallas_flash.config import (FlashConfig, check_shared_memory, default_confi
                                  shared_memory_limit)
 from pallas_flash.masking import CausalAlignment, fold_lengths, make_mask_spec
 from pallas_flash.spec import AttentionSpec
+from pallas_flash.mosaic import forward as mosaic_forward
 from pallas_flash.triton import backward as triton_backward
 from pallas_flash.triton import forward as triton_forward
 
@@ -38,7 +39,9 @@ __all__ = ["flash_attention", "OUT_NAME", "LSE_NAME"]
 OUT_NAME = "pallas_flash_out"
 LSE_NAME = "pallas_flash_lse"
 
-_BACKENDS = ("auto", "triton")
+_BACKENDS = ("auto", "triton", "mosaic")
+# Forward kernel modules by backend; looked up when a call is traced (tests swap them out).
+_FORWARDS = {"triton": triton_forward, "mosaic": mosaic_forward}
 _PRECISIONS = {
     None: lax.Precision.DEFAULT,
     "default": lax.Precision.DEFAULT,
@@ -95,7 +98,11 @@ def flash_attention(
       precision: matmul precision for float32 inputs: None/"default" lets the GPU use tf32 (as
         XLA does), "highest" asks for full float32.
       config: a `FlashConfig` of tiles; default chosen by head_dim and dtype.
-      backend: "auto" or "triton".
+      backend: "auto", "triton" or "mosaic". "mosaic" runs the forward pass with the Pallas
+        Mosaic GPU kernel for Hopper (sm_90) and the backward with the Triton kernels (both
+        keep the same row statistics); it raises a ValueError for a call it cannot serve.
+        "auto" picks "triton" for now: the Mosaic forward is a draft that has not yet passed
+        the compiled test suite on an H100/H200.
       interpret: run in Pallas interpret mode; default: True exactly when JAX has no GPU.
 
     Returns:
@@ -130,8 +137,26 @@ def flash_attention(
     if has_segments:
         q_ids, kv_ids = fold_lengths(q_segment_ids, kv_segment_ids, q_lengths, kv_lengths,
                                      batch=batch, seq_q=seq_q, seq_kv=seq_kv)
-    out, lse = _custom_vjp_attention(spec)(q, k, v, q_ids, kv_ids)
+    forward_backend = _choose_forward(backend, spec, q, k, v)
+    out, lse = _custom_vjp_attention(spec, forward_backend)(q, k, v, q_ids, kv_ids)
     return (out, lse) if return_lse else out
+
+
+def _choose_forward(backend: str, spec: AttentionSpec, q, k, v) -> str:
+    """The forward kernel's backend, decided here and nowhere else; ValueError if a forced
+    backend cannot serve the call."""
+    if backend in ("auto", "triton"):
+        return "triton"
+    if not spec.interpret:
+        cc = str(getattr(jax.devices()[0], "compute_capability", "none"))
+        if cc != "9.0":
+            raise ValueError(f"backend='mosaic' needs an sm_90 GPU (H100, H200) or "
+                             f"interpret=True; this device has compute capability {cc}")
+    reason = mosaic_forward.unsupported_reason(spec, q, k, v)
+    if reason is not None:
+        raise ValueError(f"backend='mosaic' cannot serve this call ({reason}); "
+                         f"backend='auto' or 'triton' can")
+    return "mosaic"
 
 
 def kernel_options(q, *, precision, config, interpret):
@@ -165,17 +190,21 @@ def kernel_options(q, *, precision, config, interpret):
 
 
 @functools.lru_cache(maxsize=None)
-def _custom_vjp_attention(spec: AttentionSpec):
-    """One jitted custom_vjp function per static spec: the spec is closed over, never an
-    argument, and the jit makes repeated calls with the same shapes trace only once."""
+def _custom_vjp_attention(spec: AttentionSpec, forward_backend: str = "triton"):
+    """One jitted custom_vjp function per static spec and forward backend: both are closed over,
+    never arguments, and the jit makes repeated calls with the same shapes trace only once.
+    Every forward saves the same row statistics (stats.py), so the Triton backward serves all."""
+
+    def forward(*args):
+        return _FORWARDS[forward_backend].forward(spec, *args)
 
     @jax.custom_vjp
     def attention(q, k, v, q_ids, kv_ids):
-        out, row_stats = triton_forward.forward(spec, q, k, v, q_ids, kv_ids)
+        out, row_stats = forward(q, k, v, q_ids, kv_ids)
         return out, stats.to_lse(spec, row_stats)
 
     def attention_fwd(q, k, v, q_ids, kv_ids):
-        out, row_stats = triton_forward.forward(spec, q, k, v, q_ids, kv_ids)
+        out, row_stats = forward(q, k, v, q_ids, kv_ids)
         out = checkpoint_name(out, OUT_NAME)
         row_stats = checkpoint_name(row_stats, LSE_NAME)
         return (out, stats.to_lse(spec, row_stats)), (q, k, v, out, row_stats, q_ids, kv_ids)

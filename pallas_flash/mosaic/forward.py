@@ -308,7 +308,9 @@ def _kernel(q_ref, k_ref, v_ref, o_ref, m_ref, r_ref,
             plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot], k_loaded.at[slot])
             plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot], v_loaded.at[slot])
 
-        for s in range(stages):
+        # Static starts are bounds-checked when traced, even under pl.when: never name a block
+        # past the end of K/V (a short sequence can have fewer blocks than slots).
+        for s in range(min(stages, k_ref.shape[1] // block_kv)):
             pl.when(s < n_steps)(functools.partial(issue, s, s))
 
         def refill(s, _):

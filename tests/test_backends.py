@@ -1,0 +1,102 @@
+"""Backend dispatch: "auto" and "triton" run the Triton kernels; "mosaic" runs the Mosaic GPU
+forward and feeds its row statistics to the Triton backward.
+
+On the CPU the Mosaic kernel runs in Mosaic GPU's interpret mode (slow: the shapes are the
+smallest it takes, 128 query rows); on an H100/H200 it runs compiled.
+"""
+
+import jax
+import jax.extend
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import pallas_flash as pf
+from helpers import TOLERANCE, assert_close, check_against_reference, random_inputs
+
+ON_GPU = jax.default_backend() == "gpu"
+IS_HOPPER = ON_GPU and str(getattr(jax.devices()[0], "compute_capability", "")) == "9.0"
+needs_mosaic = pytest.mark.skipif(ON_GPU and not IS_HOPPER, reason="Mosaic GPU needs sm_90")
+
+# 128 query rows (two 64-row warpgroups), 128 keys, GQA.
+SHAPE = (1, 128, 128, 4, 2, 64)
+
+
+def _kernel_names(fn, *args):
+    """Names of the kernels staged by fn: pallas_call `name`s and Mosaic `mpmd_map` names."""
+    names = set()
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name in ("pallas_call", "mpmd_map"):
+                names.add(eqn.params.get("name"))
+            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+                walk(sub)
+
+    walk(jax.make_jaxpr(fn)(*args).jaxpr)
+    return names
+
+
+@needs_mosaic
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_mosaic_forward_feeds_triton_backward(causal):
+    # O and lse from the Mosaic kernel, dq, dk, dv from the Triton kernels reading its row
+    # statistics: all five against the float32 reference.
+    q, k, v, do = random_inputs(jax.random.PRNGKey(81), *SHAPE, jnp.bfloat16)
+    check_against_reference(q, k, v, do, causal=causal, backend="mosaic")
+
+
+@needs_mosaic
+def test_mosaic_against_triton_and_reference():
+    q, k, v, _ = random_inputs(jax.random.PRNGKey(82), *SHAPE, jnp.float16)
+    tol = TOLERANCE[jnp.dtype(jnp.float16)]
+    mosaic = pf.flash_attention(q, k, v, causal=True, return_lse=True, backend="mosaic")
+    triton = pf.flash_attention(q, k, v, causal=True, return_lse=True, backend="triton")
+    ref = pf.reference_attention(*(x.astype(jnp.float32) for x in (q, k, v)), causal=True,
+                                 return_lse=True)
+    for name, got, want in (("out vs triton", mosaic[0], triton[0]),
+                            ("out vs reference", mosaic[0], ref[0]),
+                            ("lse vs triton", mosaic[1], triton[1]),
+                            ("lse vs reference", mosaic[1], ref[1])):
+        assert_close(name, got, want, tol, floor=1.0 if "lse" in name else 0.0)
+
+
+def test_auto_and_triton_stage_the_triton_kernels():
+    q, k, v, _ = random_inputs(jax.random.PRNGKey(83), *SHAPE, jnp.bfloat16)
+    for backend in ("auto", "triton"):
+        names = _kernel_names(lambda q: pf.flash_attention(q, k, v, backend=backend), q)
+        assert names == {"pallas_flash_fwd"}, (backend, names)
+
+
+@needs_mosaic
+def test_mosaic_stages_the_mosaic_forward():
+    q, k, v, _ = random_inputs(jax.random.PRNGKey(84), *SHAPE, jnp.bfloat16)
+    names = _kernel_names(lambda q: pf.flash_attention(q, k, v, backend="mosaic"), q)
+    assert names == {"pallas_flash_mosaic_fwd"}, names
+    grad_names = _kernel_names(
+        jax.grad(lambda q: pf.flash_attention(q, k, v, backend="mosaic").astype(
+            jnp.float32).sum()), q)
+    assert grad_names == {"pallas_flash_mosaic_fwd", "pallas_flash_bwd_dkdv",
+                          "pallas_flash_bwd_dq"}, grad_names
+
+
+@pytest.mark.parametrize("change,match", [
+    (dict(softcap=30.0), r"softcap"),
+    (dict(window=(16, 0)), r"sliding window"),
+    (dict(shape=(1, 100, 128, 4, 2, 64)), r"seq_q 100 must be a multiple of 128"),
+    (dict(shape=(1, 128, 128, 4, 2, 80)), r"head_dim 80"),
+    (dict(dtype=jnp.float32), r"dtype float32"),
+    (dict(q_lengths=jnp.asarray([100], jnp.int32)), r"segment ids / padding lengths"),
+])
+def test_forced_mosaic_refuses_what_it_cannot_serve(change, match):
+    change = dict(change)
+    shape = change.pop("shape", SHAPE)
+    dtype = change.pop("dtype", jnp.bfloat16)
+    q, k, v, _ = random_inputs(jax.random.PRNGKey(85), *shape, dtype)
+    if ON_GPU and not IS_HOPPER:
+        match = r"needs an sm_90 GPU"
+    with pytest.raises(ValueError, match=r"backend='mosaic'.*" + match):
+        pf.flash_attention(q, k, v, backend="mosaic", **change)
+    # "auto" serves every one of these cases (through Triton).
+    out = pf.flash_attention(q, k, v, backend="auto", **change)
+    assert np.isfinite(np.asarray(out, np.float32)).all()
