@@ -81,12 +81,14 @@ def test_mosaic_stages_the_mosaic_forward():
 
 
 @pytest.mark.parametrize("change,match", [
-    (dict(softcap=30.0), r"softcap"),
-    (dict(window=(16, 0)), r"sliding window"),
-    (dict(shape=(1, 100, 128, 4, 2, 64)), r"seq_q 100 must be a multiple of 128"),
+    # softcap, windows, any seq_q / seq_kv and segment ids / lengths are served now; these
+    # head_dims and dtypes are not, with or without those options.
+    (dict(shape=(1, 128, 128, 4, 2, 32), softcap=30.0), r"head_dim 32"),
+    (dict(shape=(1, 128, 128, 4, 2, 96), window=(16, 0)), r"head_dim 96"),
+    (dict(shape=(1, 100, 128, 4, 2, 80)), r"head_dim 80"),
     (dict(shape=(1, 128, 128, 4, 2, 80)), r"head_dim 80"),
     (dict(dtype=jnp.float32), r"dtype float32"),
-    (dict(q_lengths=jnp.asarray([100], jnp.int32)), r"segment ids / padding lengths"),
+    (dict(dtype=jnp.float32, q_lengths=jnp.asarray([100], jnp.int32)), r"dtype float32"),
 ])
 def test_forced_mosaic_refuses_what_it_cannot_serve(change, match):
     change = dict(change)

@@ -17,8 +17,9 @@ from jax import lax
 
 import pallas_flash as pf
 from pallas_flash import stats
-from pallas_flash.masking import make_mask_spec
+from pallas_flash.masking import fold_lengths, make_mask_spec
 from pallas_flash.spec import AttentionSpec
+from pallas_flash.triton import forward as triton_forward
 
 mosaic = importlib.import_module("pallas_flash.mosaic.forward")
 
@@ -101,11 +102,7 @@ def test_staged_kernel_carries_its_name():
 @pytest.mark.parametrize("change,match", [
     (dict(dtype=jnp.float32), "dtype"),
     (dict(d=96), "head_dim"),
-    (dict(sq=200), "seq_q"),
-    (dict(skv=200), "seq_kv"),
-    (dict(softcap=30.0), "softcap"),
-    (dict(window=(64, 0)), "window"),
-    (dict(has_segments=True), "segment"),
+    (dict(hq=3, hkv=2), "multiple of kv_heads"),
 ])
 def test_unsupported_raises(change, match):
     shape = dict(b=1, sq=256, skv=256, hq=2, hkv=1, d=64, dtype=jnp.bfloat16)
@@ -119,8 +116,96 @@ def test_unsupported_raises(change, match):
         mosaic.forward(spec, q, k, v)
 
 
-def test_segment_ids_raise():
+def test_segment_ids_must_match_the_spec():
     q, k, v = _inputs(1, 256, 256, 2, 1, 64, jnp.bfloat16)
     ids = jnp.zeros((1, 256), jnp.int32)
-    with pytest.raises(NotImplementedError, match="segment"):
+    with pytest.raises(ValueError, match="has_segments"):
         mosaic.forward(_spec(q, k, causal=False), q, k, v, ids, ids)
+
+
+def _sorted_ids(seed, batch, seq, n_segments):
+    rng = np.random.RandomState(seed)
+    return jnp.asarray(np.sort(rng.randint(0, n_segments, (batch, seq)), axis=1), jnp.int32)
+
+
+C = mosaic.MosaicForwardConfig
+FEATURE_CASES = [
+    # (b, sq, skv, hq, hkv, d, dtype, config, options for the spec and the reference)
+    pytest.param(1, 128, 128, 2, 1, 64, jnp.bfloat16, C(block_kv=64),
+                 dict(causal=False, softcap=5.0), id="softcap-full-mqa"),
+    # Narrow band: the two warpgroups' key ranges are disjoint (each drains the other's).
+    pytest.param(1, 384, 384, 1, 1, 64, jnp.bfloat16, C(block_kv=64),
+                 dict(causal=False, window=(32, 32)), id="window-band"),
+    pytest.param(1, 256, 256, 2, 2, 64, jnp.float16, C(block_kv=64, stages=3),
+                 dict(causal=True, window=(70, None), softcap=20.0), id="window-causal-softcap"),
+    # Partial last query tile (200 = 128 + 72: the second warpgroup of tile 1 holds 8 rows)
+    # and partial last key block (136 = 2 * 64 + 8), both multiples of 8: no padding copy.
+    pytest.param(1, 200, 136, 2, 1, 64, jnp.float16, C(block_kv=64),
+                 dict(causal=False), id="partial-tiles"),
+    # Lengths not multiples of 8 (zero-padded in XLA), window and softcap, bottom-right.
+    pytest.param(1, 100, 100, 1, 1, 64, jnp.bfloat16, C(block_kv=64, pingpong=False),
+                 dict(causal=True, alignment="bottom_right", window=(30, 10), softcap=20.0),
+                 id="odd-lengths-window"),
+    # 40 query rows (the second warpgroup is wholly past the end), 300 keys (block 3 partial),
+    # seq_q < seq_kv bottom-right with a left bound: the tile starts at key block 1.
+    pytest.param(1, 40, 300, 1, 1, 64, jnp.bfloat16, C(block_kv=128),
+                 dict(causal=True, alignment="bottom_right", window=(100, None)), id="short-q"),
+    # seq_q > seq_kv bottom-right, 20 keys: most rows see nothing (O = 0, lse = -inf).
+    pytest.param(1, 136, 20, 2, 1, 64, jnp.float16, C(block_kv=64),
+                 dict(causal=True, alignment="bottom_right", softcap=10.0), id="short-kv-empty"),
+    # Segment ids and padding lengths (folded), partial tiles, causal bottom-right.
+    pytest.param(2, 200, 264, 2, 1, 64, jnp.bfloat16, C(block_kv=64),
+                 dict(causal=True, alignment="bottom_right", segments=True), id="segments-lengths"),
+]
+
+
+@pytest.mark.skipif(ON_GPU and not IS_HOPPER, reason="Mosaic GPU kernel needs sm_90")
+@pytest.mark.parametrize("b,sq,skv,hq,hkv,d,dtype,config,opts", FEATURE_CASES)
+def test_features_match_reference_and_triton(b, sq, skv, hq, hkv, d, dtype, config, opts):
+    opts = dict(opts)
+    segments = opts.pop("segments", False)
+    q, k, v = _inputs(b, sq, skv, hq, hkv, d, dtype, seed=sq + skv)
+    mask_opts = dict(causal=opts["causal"], causal_alignment=opts.get("alignment", "top_left"),
+                     window=opts.get("window"), softcap=opts.get("softcap"))
+    ids = seg_kwargs = {}
+    if segments:
+        seg_kwargs = dict(q_segment_ids=_sorted_ids(1, b, sq, 3),
+                          kv_segment_ids=_sorted_ids(2, b, skv, 3),
+                          q_lengths=jnp.asarray([sq - 20, sq], jnp.int32),
+                          kv_lengths=jnp.asarray([skv - 14, skv // 2], jnp.int32))
+        q_ids, kv_ids = fold_lengths(*seg_kwargs.values(), batch=b, seq_q=sq, seq_kv=skv)
+        ids = dict(q_ids=q_ids, kv_ids=kv_ids)
+    spec = _spec(q, k, has_segments=segments, **opts)
+    out, st = mosaic.forward(spec, q, k, v, **ids, config=config)
+    lse = stats.to_lse(spec, st)
+    ref, ref_lse = pf.reference_attention(*(x.astype(jnp.float32) for x in (q, k, v)),
+                                          **mask_opts, **seg_kwargs, return_lse=True)
+    tri, tri_st = triton_forward.forward(spec, q, k, v, **ids)
+    tri_lse = stats.to_lse(spec, tri_st)
+    tol = 2e-2 if dtype == jnp.bfloat16 else 4e-3
+    out32 = out.astype(jnp.float32)
+    assert _rel(out32, ref) < tol
+    assert _rel(out32, tri.astype(jnp.float32)) < tol
+    assert _rel(lse, ref_lse) < 1e-4
+    assert _rel(lse, tri_lse) < 1e-4
+    empty = np.isneginf(np.asarray(ref_lse))
+    assert np.all(np.asarray(st.m)[empty] == 0)
+    assert np.all(np.asarray(out32).transpose(0, 2, 1, 3)[empty] == 0)
+    if opts.get("softcap") is not None:
+        # m is in logit units, tanh(...): within [-1, 1].
+        assert np.all(np.abs(np.asarray(st.m)) <= 1.0)
+
+
+@pytest.mark.parametrize("sq,skv,opts", [
+    (200, 136, dict(causal=True, window=(64, None), softcap=30.0)),
+    (100, 300, dict(causal=True, alignment="bottom_right", has_segments=True)),
+])
+def test_features_lower_for_sm90(sq, skv, opts):
+    q, k, v = _inputs(2, sq, skv, 4, 2, 128, jnp.bfloat16)
+    spec = _spec(q, k, interpret=False, **opts)
+    ids = ()
+    if spec.has_segments:
+        ids = (_sorted_ids(3, 2, sq, 4), _sorted_ids(4, 2, skv, 4))
+    fn = jax.jit(lambda q, k, v, *ids: mosaic.forward(spec, q, k, v, *ids))
+    text = fn.trace(q, k, v, *ids).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text

@@ -2,7 +2,8 @@
 
 Same contract as `pallas_flash.triton.forward.forward`: O in q's layout and dtype
 [batch, seq_q, q_heads, head_dim], and `stats.RowStats(m, r)`, each float32
-[batch, q_heads, seq_q], with m the row maximum in logit units (the raw q.k) and r = log2 of the
+[batch, q_heads, seq_q], with m the row maximum in logit units (the raw q.k, or
+tanh(q.k * scale / softcap) with a softcap) and r = log2 of the
 row's softmax denominator in base 2 (stats.py). A row that sees no key leaves with O = 0, m = 0
 and r = -inf.
 
@@ -18,24 +19,36 @@ Structure (one CTA = three warpgroups):
   S = Q K^T by wgmma (Q and K from shared memory), then
       m' = max(m, rowmax S),  m_safe = (m' if finite else 0),  a = 2^((m - m_safe) c),
       P = 2^((S - m_safe) c),  l = l a + rowsum P,  acc = acc a + P V   (P from registers),
-  with c = scale * log2(e). S - m is formed before the scaling, as stats.py asks.
-* Causal (any static right bound and offset, from masking.MaskSpec): key blocks that no row of a
-  warpgroup sees are never computed; blocks that every row sees fully skip the mask; the few
-  diagonal blocks in between are masked with an iota compare. The producer loads the blocks the
-  *later* warpgroup needs; the earlier warpgroup, once done, still waits for each remaining block
-  and releases it ("drain" steps). Waiting before releasing is what keeps each slot's "free"
-  barrier at exactly one arrival per warpgroup per phase. CTAs run heaviest (last) tiles first.
+  with c = logit_scale * log2(e) (scale, or softcap with S replaced by tanh(S scale / softcap)).
+  S - m is formed before the scaling, as stats.py asks.
+* Masks (causal, sliding window, alignment offset: masking.MaskSpec; the key bound; segment
+  ids): the loop bounds are MaskSpec.kv_blocks, per warpgroup and for the whole CTA. Key blocks
+  that no row of a warpgroup sees are never computed; blocks that every row sees fully skip the
+  mask; the edge blocks (diagonal, window start and end, a partial last key block) are masked
+  with an iota compare. The producer loads every block the CTA needs, [cta_lo, cta_hi); each
+  warpgroup still waits for and releases the blocks outside its own range ("drain" steps).
+  Waiting before releasing is what keeps each slot's "free" barrier at exactly one arrival per
+  warpgroup per phase. With a right bound, CTAs run heaviest (last) tiles first.
+* Segment ids (padding lengths folded in, masking.fold_lengths): block ranges per CTA and per
+  warpgroup come from masking.segment_block_ranges (XLA, before the kernel) and tighten the
+  bounds; every visited block is then masked, the query ids of a warpgroup and the key ids of a
+  block read from global memory into the wgmma row / column layouts.
+* Partial tiles: the TMA reads rows past the end of q, k, v as zeros and drops stores past the
+  end of O (the interpreter models both); keys past seq_kv are masked to -inf. Mosaic GPU tiles
+  a descriptor's sequence axis by 8 rows, so a length that is not a multiple of 8 is
+  zero-padded in XLA first (one copy). The row statistics are allocated for whole tiles and
+  sliced.
 * Optional ping-pong (config.pingpong): a two-arrival barrier used as a rendezvous twice per step
   offsets the two warpgroups by half a step, so one warpgroup's softmax overlaps the other's
   wgmmas. Warpgroup 1 rendezvouses once before its loop, warpgroup 0 once after, and drain steps
   rendezvous too, so both always make 2 * n_steps + 1 rendezvous.
 
-Supported in this draft: bfloat16 and float16, head_dim 64/128/256, seq_q a multiple of
-2 * block_q and seq_kv a multiple of block_kv, no softcap, no left window bound (so: full or
-causal attention, top-left or bottom-right), no segment ids or lengths. Everything else raises
-NotImplementedError (`unsupported_reason` says why without raising), for the dispatcher to route
-to Triton. Unlike the Triton kernel, a non-finite V entry in a *masked-out* position of a
-diagonal block is not isolated (0 * inf = NaN reaches that row).
+Supported in this draft: bfloat16 and float16, head_dim 64/128/256, any seq_q and seq_kv,
+full, causal (top-left or bottom-right), sliding window, softcap, segment ids and padding
+lengths. Everything else (other dtypes and head_dims) raises NotImplementedError
+(`unsupported_reason` says why without raising), for the dispatcher to route to Triton. Unlike
+the Triton kernel, a non-finite V entry in a *masked-out* position of a visited block is not
+isolated (0 * inf = NaN reaches that row).
 
 CPU testing (jax 0.11.2): Mosaic GPU has a real interpret mode that simulates shared memory,
 barriers, TMA and wgmma on the CPU: `interpret=plgpu.InterpretGPUParams()` on `plgpu.kernel`
@@ -67,8 +80,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_flash.masking import (PAD_KEY_ID, PAD_QUERY_ID, segment_block_ranges,
+                                  with_segment_range)
 from pallas_flash.spec import AttentionSpec
-from pallas_flash.stats import LOG2E, RowStats
+from pallas_flash.stats import LOG2E, RowStats, logit_scale
 
 __all__ = ["KERNEL_NAME", "MosaicForwardConfig", "default_forward_config", "forward",
            "unsupported_reason"]
@@ -124,10 +139,10 @@ def default_forward_config(head_dim: int) -> MosaicForwardConfig:
 
 def unsupported_reason(spec: AttentionSpec, q, k, v, config: MosaicForwardConfig | None = None):
     """Why this draft kernel cannot take the call, or None if it can."""
-    batch, seq_q, q_heads, head_dim = q.shape
-    seq_kv, kv_heads = k.shape[1], k.shape[2]
+    del spec  # every mask, softcap and segment option is served
+    q_heads, head_dim = q.shape[2:]
+    kv_heads = k.shape[2]
     cfg = config or default_forward_config(head_dim)
-    mask = spec.mask
     if jnp.dtype(q.dtype) not in _SUPPORTED_DTYPES:
         return f"mosaic forward: dtype {jnp.dtype(q.dtype).name} (only bfloat16 and float16)"
     if not (q.dtype == k.dtype == v.dtype):
@@ -136,17 +151,6 @@ def unsupported_reason(spec: AttentionSpec, q, k, v, config: MosaicForwardConfig
         return f"mosaic forward: head_dim {head_dim} (only {_SUPPORTED_HEAD_DIMS})"
     if q_heads % kv_heads:
         return f"mosaic forward: q_heads {q_heads} not a multiple of kv_heads {kv_heads}"
-    if spec.softcap is not None:
-        return "mosaic forward: softcap is not supported yet"
-    if mask.left is not None:
-        return "mosaic forward: sliding window (left bound) is not supported yet"
-    if spec.has_segments:
-        return "mosaic forward: segment ids / padding lengths are not supported yet"
-    rows = COMPUTE_WGS * cfg.block_q
-    if seq_q % rows:
-        return f"mosaic forward: seq_q {seq_q} must be a multiple of {rows} (2 * block_q)"
-    if seq_kv % cfg.block_kv:
-        return f"mosaic forward: seq_kv {seq_kv} must be a multiple of block_kv {cfg.block_kv}"
     if cfg.smem_bytes(head_dim) > 227 * 1024:
         return (f"mosaic forward: config {cfg} needs {cfg.smem_bytes(head_dim)} bytes of shared "
                 "memory at this head_dim (limit 227 KiB)")
@@ -157,38 +161,73 @@ def _bcast_rows(x, shape):
     return lax.broadcast_in_dim(x, shape, [0])
 
 
-def _kernel(q_ref, k_ref, v_ref, o_ref, m_ref, r_ref,
-            q_smem, k_smem, v_smem, m_smem, r_smem,
+def _tanh(x):
+    """tanh through exp2, accurate to a few float32 ulps of 1 in absolute terms.
+
+    Under approx_math (on for this kernel, for exp2) a plain tanh lowers to tanh.approx.f32,
+    whose ~2^-11 error, times the softcap, would be a logit error near 1e-2 at softcap 30, and
+    the stored m would no longer match the exact tanh the Triton backward recomputes P from.
+    1 - 2 / (2^(2x log2 e) + 1) needs only ex2.approx (~2 ulp) and a division; it saturates to
+    +-1 cleanly (2 / inf = 0, 2 / 1 = 2) and keeps NaN. Its relative error near 0 is larger,
+    but the softmax only sees absolute differences of u, so the absolute error is what counts.
+    """
+    return 1.0 - 2.0 / (jnp.exp2(x * (2.0 * LOG2E)) + 1.0)
+
+
+def _clamp_range(bounds, lo_limit, hi_limit):
+    """(lo, full_lo, full_hi, hi), each clipped into [lo_limit, hi_limit], order kept."""
+    return tuple(jnp.clip(b, lo_limit, hi_limit) for b in bounds)
+
+
+def _kernel(*refs, spec: AttentionSpec, cfg: MosaicForwardConfig, group: int, n_tiles: int,
+            head_dim: int):
+    if spec.has_segments:
+        (q_ref, k_ref, v_ref, q_ids_ref, kv_ids_ref, cta_seg_ref, wg_seg_ref), rest = (
+            refs[:7], refs[7:])
+    else:
+        (q_ref, k_ref, v_ref), rest = refs[:3], refs[3:]
+        q_ids_ref = kv_ids_ref = cta_seg_ref = wg_seg_ref = None
+    _kernel_body(q_ref, k_ref, v_ref, q_ids_ref, kv_ids_ref, cta_seg_ref, wg_seg_ref, *rest,
+                 spec=spec, cfg=cfg, group=group, n_tiles=n_tiles, head_dim=head_dim)
+
+
+def _kernel_body(q_ref, k_ref, v_ref, q_ids_ref, kv_ids_ref, cta_seg_ref, wg_seg_ref,
+                 o_ref, m_ref, r_ref,
+                 q_smem, k_smem, v_smem, m_smem, r_smem,
             q_loaded, k_loaded, v_loaded, k_free, v_free, rendezvous_bar, *p_smem,
             spec: AttentionSpec, cfg: MosaicForwardConfig, group: int, n_tiles: int,
             head_dim: int):
     mask = spec.mask
     block_q, block_kv, stages = cfg.block_q, cfg.block_kv, cfg.stages
+    cta_rows = COMPUTE_WGS * block_q
     dtype = q_ref.dtype
-    n_kv = mask.seq_kv // block_kv
-    c = spec.scale * LOG2E
-    bounded = mask.right is not None
-    reach_shift = 0 if not bounded else mask.offset + mask.right + 1
+    c = logit_scale(spec) * LOG2E
+    # Keys past seq_kv only exist in a partial last block (read as zeros by the TMA); they need
+    # the mask exactly when such a block exists.
+    kv_len = mask.seq_kv if mask.seq_kv % block_kv else None
 
     tile = lax.axis_index("tile")
-    if bounded:
+    if mask.right is not None:
         tile = (n_tiles - 1) - tile  # the longest rows first
     head = lax.axis_index("head")
     batch = lax.axis_index("batch")
     wg = lax.axis_index("wg")
-    cta_start = tile * (COMPUTE_WGS * block_q)
+    cta_start = tile * cta_rows
 
-    def blocks_reached(first_row, round_up: bool):
-        """Key blocks [0, n) that row `first_row` sees (round_up: partly; else wholly)."""
-        if not bounded:
-            return n_kv
-        keys = jnp.clip(first_row + reach_shift, 0, mask.seq_kv)
-        if round_up:
-            keys = keys + (block_kv - 1)
-        return lax.div(keys, jnp.int32(block_kv))
+    # Key blocks the CTA needs at all: MaskSpec's bounds for all of its rows. The copy
+    # warpgroup streams exactly these, and each compute warpgroup consumes every one of them
+    # (computing its own sub-range, draining the rest), so the barriers stay in step.
+    cta_lo, _, _, cta_hi = mask.kv_blocks(cta_start, cta_rows, block_kv, mask.seq_kv)
+    if cta_seg_ref is not None:
+        # Only key blocks whose ids may match a query id of the tile (masking.py); the ranges
+        # are precomputed in XLA, [lo, hi) per (batch, tile), and read as scalars here.
+        cta_lo, _, _, cta_hi = with_segment_range(
+            (cta_lo, cta_lo, cta_hi, cta_hi), cta_seg_ref[batch, tile, 0],
+            cta_seg_ref[batch, tile, 1])
+    n_steps = cta_hi - cta_lo
 
-    # Blocks the CTA needs at all: those the last row of the CTA reaches.
-    n_steps = blocks_reached(cta_start + (COMPUTE_WGS * block_q - 1), True)
+    def slot_of(j):
+        return lax.rem(j - cta_lo, jnp.int32(stages))
 
     def rendezvous():
         if cfg.pingpong:
@@ -200,15 +239,26 @@ def _kernel(q_ref, k_ref, v_ref, o_ref, m_ref, r_ref,
         plgpu.set_max_registers(cfg.compute_registers, action="increase")
         q_start = cta_start + wg * block_q
         my_q = q_smem.at[wg]
+        # Rows past seq_q (a partial last tile) are read as zeros by the TMA and never stored.
         plgpu.copy_gmem_to_smem(
             q_ref.at[batch, pl.ds(q_start, block_q), head], my_q, q_loaded.at[wg])
 
-        hi = blocks_reached(q_start + (block_q - 1), True)
-        full = blocks_reached(q_start, False)
+        bounds = mask.kv_blocks(q_start, block_q, block_kv, mask.seq_kv)
+        q_ids = None
+        if wg_seg_ref is not None:
+            # With ids every visited block is masked (ids are data): no unmasked middle.
+            wg_block = tile * COMPUTE_WGS + wg
+            bounds = with_segment_range(bounds, wg_seg_ref[batch, wg_block, 0],
+                                        wg_seg_ref[batch, wg_block, 1])
+            q_ids = plgpu.load(q_ids_ref.at[batch, pl.ds(q_start, block_q)],
+                               layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
+        # A warpgroup wholly past seq_q (the second one of a short last tile) computes nothing.
+        bounds = tuple(jnp.where(q_start < mask.seq_q, b, cta_lo) for b in bounds)
+        lo, full_lo, full_hi, hi = _clamp_range(bounds, cta_lo, cta_hi)
 
-        def step(s, carry, masked: bool):
+        def step(j, carry, masked: bool):
             acc, m, l = carry
-            slot = lax.rem(s, jnp.int32(stages))
+            slot = slot_of(j)
             plgpu.barrier_wait(k_loaded.at[slot])
 
             def logits(s_ref):
@@ -218,12 +268,22 @@ def _kernel(q_ref, k_ref, v_ref, o_ref, m_ref, r_ref,
 
             u = pl.run_scoped(logits, plgpu.ACC((block_q, block_kv), jnp.float32))
             plgpu.barrier_arrive(k_free.at[slot])
+            if spec.softcap is not None:
+                # Logit units with a softcap are tanh(q.k * scale / softcap) (stats.py).
+                u = _tanh(u * (spec.scale / spec.softcap))
             if masked:
                 shape = (block_q, block_kv)
                 rows = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA)
                 cols = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
-                visible = (cols + s * block_kv) <= (rows + (q_start + reach_shift - 1))
-                u = jnp.where(visible, u, -jnp.inf)
+                visible = mask.visible(rows + q_start, cols + j * block_kv, kv_len)
+                if q_ids is not None:
+                    kv_ids = plgpu.load(kv_ids_ref.at[batch, pl.ds(j * block_kv, block_kv)],
+                                        layout=plgpu.Layout.WGMMA.reduce(0), optimized=False)
+                    same = (_bcast_rows(q_ids, shape)
+                            == lax.broadcast_in_dim(kv_ids, shape, [1]))
+                    visible = same if visible is None else visible & same
+                if visible is not None:  # None: nothing to mask (the masked ranges are empty)
+                    u = jnp.where(visible, u, -jnp.inf)
             m_new = jnp.maximum(m, jnp.max(u, axis=1))
             m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
             alpha = jnp.exp2((m - m_safe) * c)
@@ -256,8 +316,8 @@ def _kernel(q_ref, k_ref, v_ref, o_ref, m_ref, r_ref,
             plgpu.barrier_arrive(v_free.at[slot])
             return acc, m_new, l
 
-        def drain(s, _):
-            slot = lax.rem(s, jnp.int32(stages))
+        def drain(j, _):
+            slot = slot_of(j)
             plgpu.barrier_wait(k_loaded.at[slot])
             plgpu.barrier_arrive(k_free.at[slot])
             rendezvous()
@@ -276,10 +336,14 @@ def _kernel(q_ref, k_ref, v_ref, o_ref, m_ref, r_ref,
             pl.when(wg == 1)(rendezvous)
         unmasked = functools.partial(step, masked=False)
         masked = functools.partial(step, masked=True)
-        carry = lax.fori_loop(0, full, unmasked, carry)
-        if bounded:
-            carry = lax.fori_loop(full, hi, masked, carry)
-            lax.fori_loop(hi, n_steps, drain, None)
+        # Blocks before this warpgroup's range (the other one needs them), the masked leading
+        # edge (window start), the unmasked middle, the masked trailing edge (diagonal, window
+        # end, partial last key block), blocks after its range.
+        lax.fori_loop(cta_lo, lo, drain, None)
+        carry = lax.fori_loop(lo, full_lo, masked, carry)
+        carry = lax.fori_loop(full_lo, full_hi, unmasked, carry)
+        carry = lax.fori_loop(full_hi, hi, masked, carry)
+        lax.fori_loop(hi, cta_hi, drain, None)
         if cfg.pingpong:
             pl.when(wg == 0)(rendezvous)
         acc, m, l = carry
@@ -293,6 +357,7 @@ def _kernel(q_ref, k_ref, v_ref, o_ref, m_ref, r_ref,
         m_smem.at[wg][...] = jnp.where(m == -jnp.inf, 0.0, m)
         r_smem.at[wg][...] = jnp.log2(l)
         plgpu.commit_smem()
+        # A TMA store drops the rows past seq_q; the statistics are padded to whole tiles.
         plgpu.copy_smem_to_gmem(my_q, o_ref.at[batch, pl.ds(q_start, block_q), head])
         plgpu.copy_smem_to_gmem(m_smem.at[wg], m_ref.at[batch, head, pl.ds(q_start, block_q)])
         plgpu.copy_smem_to_gmem(r_smem.at[wg], r_ref.at[batch, head, pl.ds(q_start, block_q)])
@@ -303,31 +368,27 @@ def _kernel(q_ref, k_ref, v_ref, o_ref, m_ref, r_ref,
         plgpu.set_max_registers(cfg.copy_registers, action="decrease")
         kv_head = lax.div(head, jnp.int32(group))
 
-        def issue(s, slot):
-            rows = (batch, pl.ds(s * block_kv, block_kv), kv_head)
+        def load(i, _):
+            # Block j of the CTA's range goes to slot i % stages once both compute warpgroups
+            # have released the block that used the slot before. Every start is dynamic: a
+            # partial last block reaches past seq_kv, which the TMA reads as zeros (a static
+            # start would be bounds-checked when traced and refused).
+            j = cta_lo + i
+            slot = lax.rem(i, jnp.int32(stages))
+            rows = (batch, pl.ds(j * block_kv, block_kv), kv_head)
+            refill = i >= stages
+            pl.when(refill)(lambda: plgpu.barrier_wait(k_free.at[slot]))
             plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot], k_loaded.at[slot])
+            pl.when(refill)(lambda: plgpu.barrier_wait(v_free.at[slot]))
             plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot], v_loaded.at[slot])
 
-        # Static starts are bounds-checked when traced, even under pl.when: never name a block
-        # past the end of K/V (a short sequence can have fewer blocks than slots).
-        for s in range(min(stages, k_ref.shape[1] // block_kv)):
-            pl.when(s < n_steps)(functools.partial(issue, s, s))
-
-        def refill(s, _):
-            slot = lax.rem(s, jnp.int32(stages))
-            rows = (batch, pl.ds(s * block_kv, block_kv), kv_head)
-            plgpu.barrier_wait(k_free.at[slot])
-            plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot], k_loaded.at[slot])
-            plgpu.barrier_wait(v_free.at[slot])
-            plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot], v_loaded.at[slot])
-
-        lax.fori_loop(stages, n_steps, refill, None)
+        lax.fori_loop(jnp.int32(0), n_steps, load, None)
 
         # Observe the last releases too, so every phase of every barrier is waited for (GPU
         # interpret mode checks this when the barriers are freed; on the GPU it costs nothing,
         # this warpgroup has no work left).
-        def last_release(s, _):
-            slot = lax.rem(s, jnp.int32(stages))
+        def last_release(i, _):
+            slot = lax.rem(i, jnp.int32(stages))
             plgpu.barrier_wait(k_free.at[slot])
             plgpu.barrier_wait(v_free.at[slot])
 
@@ -343,17 +404,28 @@ def forward(spec: AttentionSpec, q, k, v, q_ids=None, kv_ids=None, *,
     batch, seq_q, q_heads, head_dim = q.shape
     kv_heads = k.shape[2]
     cfg = config or default_forward_config(head_dim)
-    if q_ids is not None or kv_ids is not None:
-        raise NotImplementedError("mosaic forward: segment ids / padding lengths are not "
-                                  "supported yet")
+    if (q_ids is not None) != spec.has_segments or (kv_ids is not None) != spec.has_segments:
+        raise ValueError("mosaic forward: q_ids and kv_ids are given exactly when "
+                         "spec.has_segments")
     reason = unsupported_reason(spec, q, k, v, cfg)
     if reason is not None:
         raise NotImplementedError(reason)
     group = q_heads // kv_heads
-    n_tiles = seq_q // (COMPUTE_WGS * cfg.block_q)
+    # Mosaic GPU tiles the sequence axis of a TMA descriptor by 8 rows and refuses a length
+    # that is not a multiple of 8. Such lengths are zero-padded to the next multiple of 8 here
+    # (a copy of the array, only for these lengths); the kernel bounds everything by the true
+    # lengths in spec.mask, so the padding is never seen, and O is sliced back.
+    q = _pad_rows(q, 8)
+    k = _pad_rows(k, 8)
+    v = _pad_rows(v, 8)
+    n_tiles = pl.cdiv(seq_q, COMPUTE_WGS * cfg.block_q)
     dtype = q.dtype
 
-    stats_shape = jax.ShapeDtypeStruct((batch, q_heads, seq_q), jnp.float32)
+    # The row statistics are written in whole 64-row pieces, so they are allocated for whole
+    # tiles and sliced here (float32 per row: cheap next to O). O itself is written in place:
+    # the TMA store drops rows past seq_q.
+    stats_shape = jax.ShapeDtypeStruct((batch, q_heads, n_tiles * COMPUTE_WGS * cfg.block_q),
+                                       jnp.float32)
     scratch = [
         plgpu.SMEM((COMPUTE_WGS, cfg.block_q, head_dim), dtype),
         plgpu.SMEM((cfg.stages, cfg.block_kv, head_dim), dtype),
@@ -383,5 +455,33 @@ def forward(spec: AttentionSpec, q, k, v, q_ids=None, kv_ids=None, *,
         interpret=plgpu.InterpretGPUParams() if spec.interpret else None,
         kernel_name=KERNEL_NAME,
     )
-    out, m, r = call(q, k, v)
-    return out, RowStats(m, r)
+    args = [q, k, v]
+    if spec.has_segments:
+        args += _segment_operands(q_ids, kv_ids, cfg, n_tiles)
+    out, m, r = call(*args)
+    return out[:, :seq_q], RowStats(m[..., :seq_q], r[..., :seq_q])
+
+
+def _segment_operands(q_ids, kv_ids, cfg: MosaicForwardConfig, n_tiles: int):
+    """The kernel's segment inputs: ids padded so no id read goes past the end, and the key
+    block ranges [lo, hi) per (batch, tile) and per (batch, warpgroup block), int32 [.., 2]."""
+    rows = COMPUTE_WGS * cfg.block_q
+    n_kv = pl.cdiv(kv_ids.shape[1], cfg.block_kv)
+    cta = jnp.stack(segment_block_ranges(q_ids, kv_ids, rows, cfg.block_kv), axis=-1)
+    wg = jnp.stack(segment_block_ranges(q_ids, kv_ids, cfg.block_q, cfg.block_kv), axis=-1)
+    # A warpgroup block wholly past seq_q has no range of its own (the kernel skips it).
+    wg = jnp.pad(wg, ((0, 0), (0, n_tiles * COMPUTE_WGS - wg.shape[1]), (0, 0)))
+    # Padding ids match nothing (masking.py); rows past seq_q are never stored either way.
+    q_ids = jnp.pad(q_ids, ((0, 0), (0, n_tiles * rows - q_ids.shape[1])),
+                    constant_values=PAD_QUERY_ID)
+    kv_ids = jnp.pad(kv_ids, ((0, 0), (0, n_kv * cfg.block_kv - kv_ids.shape[1])),
+                     constant_values=PAD_KEY_ID)
+    return [q_ids, kv_ids, cta, wg]
+
+
+def _pad_rows(x, multiple: int):
+    """x [batch, seq, heads, dim] zero-padded along seq to a multiple of `multiple`."""
+    extra = -x.shape[1] % multiple
+    if not extra:
+        return x
+    return jnp.pad(x, ((0, 0), (0, extra), (0, 0), (0, 0)))
