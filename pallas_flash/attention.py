@@ -27,6 +27,7 @@ from pallas_flash.config import (FlashConfig, check_shared_memory, default_confi
                                  shared_memory_limit)
 from pallas_flash.masking import CausalAlignment, fold_lengths, make_mask_spec
 from pallas_flash.spec import AttentionSpec
+from pallas_flash.mosaic import backward as mosaic_backward
 from pallas_flash.mosaic import forward as mosaic_forward
 from pallas_flash.triton import backward as triton_backward
 from pallas_flash.triton import forward as triton_forward
@@ -40,8 +41,9 @@ OUT_NAME = "pallas_flash_out"
 LSE_NAME = "pallas_flash_lse"
 
 _BACKENDS = ("auto", "triton", "mosaic")
-# Forward kernel modules by backend; looked up when a call is traced (tests swap them out).
+# Kernel modules by backend; looked up when a call is traced (tests swap them out).
 _FORWARDS = {"triton": triton_forward, "mosaic": mosaic_forward}
+_BACKWARDS = {"triton": triton_backward, "mosaic": mosaic_backward}
 _PRECISIONS = {
     None: lax.Precision.DEFAULT,
     "default": lax.Precision.DEFAULT,
@@ -99,10 +101,11 @@ def flash_attention(
         XLA does), "highest" asks for full float32.
       config: a `FlashConfig` of tiles; default chosen by head_dim and dtype.
       backend: "auto", "triton" or "mosaic". "mosaic" runs the forward pass with the Pallas
-        Mosaic GPU kernel for Hopper (sm_90) and the backward with the Triton kernels (both
-        keep the same row statistics); it raises a ValueError for a call it cannot serve.
-        "auto" picks "triton" for now: the Mosaic forward is a draft that has not yet passed
-        the compiled test suite on an H100/H200.
+        Mosaic GPU kernels for Hopper (sm_90), and the backward with them too where the Mosaic
+        backward serves the call (no softcap, window, segment ids or partial tiles yet), else
+        with the Triton kernels: all backends keep the same row statistics. It raises a
+        ValueError for a call its forward cannot serve. "auto" picks "triton" for now: the
+        Mosaic kernels are drafts that have not yet passed the compiled suite on an H100/H200.
       interpret: run in Pallas interpret mode; default: True exactly when JAX has no GPU.
 
     Returns:
@@ -137,16 +140,16 @@ def flash_attention(
     if has_segments:
         q_ids, kv_ids = fold_lengths(q_segment_ids, kv_segment_ids, q_lengths, kv_lengths,
                                      batch=batch, seq_q=seq_q, seq_kv=seq_kv)
-    forward_backend = _choose_forward(backend, spec, q, k, v)
-    out, lse = _custom_vjp_attention(spec, forward_backend)(q, k, v, q_ids, kv_ids)
+    backends = _choose_backends(backend, spec, q, k, v)
+    out, lse = _custom_vjp_attention(spec, *backends)(q, k, v, q_ids, kv_ids)
     return (out, lse) if return_lse else out
 
 
-def _choose_forward(backend: str, spec: AttentionSpec, q, k, v) -> str:
-    """The forward kernel's backend, decided here and nowhere else; ValueError if a forced
-    backend cannot serve the call."""
+def _choose_backends(backend: str, spec: AttentionSpec, q, k, v) -> tuple[str, str]:
+    """(forward backend, backward backend), decided here and nowhere else; ValueError if a
+    forced backend cannot serve the call."""
     if backend in ("auto", "triton"):
-        return "triton"
+        return "triton", "triton"
     if not spec.interpret:
         cc = str(getattr(jax.devices()[0], "compute_capability", "none"))
         if cc != "9.0":
@@ -156,7 +159,8 @@ def _choose_forward(backend: str, spec: AttentionSpec, q, k, v) -> str:
     if reason is not None:
         raise ValueError(f"backend='mosaic' cannot serve this call ({reason}); "
                          f"backend='auto' or 'triton' can")
-    return "mosaic"
+    backward = "mosaic" if mosaic_backward.unsupported_reason(spec, q, k, v) is None else "triton"
+    return "mosaic", backward
 
 
 def kernel_options(q, *, precision, config, interpret):
@@ -190,10 +194,12 @@ def kernel_options(q, *, precision, config, interpret):
 
 
 @functools.lru_cache(maxsize=None)
-def _custom_vjp_attention(spec: AttentionSpec, forward_backend: str = "triton"):
-    """One jitted custom_vjp function per static spec and forward backend: both are closed over,
-    never arguments, and the jit makes repeated calls with the same shapes trace only once.
-    Every forward saves the same row statistics (stats.py), so the Triton backward serves all."""
+def _custom_vjp_attention(spec: AttentionSpec, forward_backend: str = "triton",
+                          backward_backend: str = "triton"):
+    """One jitted custom_vjp function per static spec and pair of backends: all are closed
+    over, never arguments, and the jit makes repeated calls with the same shapes trace only
+    once. Every forward saves the same row statistics (stats.py), so any backward can follow
+    any forward."""
 
     def forward(*args):
         return _FORWARDS[forward_backend].forward(spec, *args)
@@ -212,8 +218,8 @@ def _custom_vjp_attention(spec: AttentionSpec, forward_backend: str = "triton"):
     def attention_bwd(residuals, cotangents):
         q, k, v, out, row_stats, q_ids, kv_ids = residuals
         d_out, d_lse = cotangents
-        dq, dk, dv = triton_backward.backward(spec, q, k, v, out, row_stats, d_out, d_lse,
-                                              q_ids, kv_ids)
+        dq, dk, dv = _BACKWARDS[backward_backend].backward(spec, q, k, v, out, row_stats, d_out,
+                                                           d_lse, q_ids, kv_ids)
         return dq, dk, dv, None, None
 
     attention.defvjp(attention_fwd, attention_bwd)

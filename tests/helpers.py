@@ -132,6 +132,24 @@ def check_against_reference(q, k, v, do, *, key=None, tol=None, **kwargs):
     return out, lse, grads
 
 
+def kernel_names(fn, *args):
+    """Names of the kernels fn stages: Pallas `pallas_call` names and Mosaic `mpmd_map` names,
+    through nested jaxprs."""
+    import jax.extend
+
+    names = set()
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name in ("pallas_call", "mpmd_map"):
+                names.add(eqn.params.get("name"))
+            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+                walk(sub)
+
+    walk(jax.make_jaxpr(fn)(*args).jaxpr)
+    return names
+
+
 @contextlib.contextmanager
 def example_module(path, name):
     """Loads a script from examples/ (not a package) as a module, for the duration of a test.

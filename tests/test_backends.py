@@ -1,18 +1,23 @@
 """Backend dispatch: "auto" and "triton" run the Triton kernels; "mosaic" runs the Mosaic GPU
-forward and feeds its row statistics to the Triton backward.
+forward, and the Mosaic GPU backward where it serves the call, else the Triton backward; any
+forward's row statistics feed any backward.
 
 On the CPU the Mosaic kernel runs in Mosaic GPU's interpret mode (slow: the shapes are the
 smallest it takes, 128 query rows); on an H100/H200 it runs compiled.
 """
 
 import jax
-import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax import lax
 
 import pallas_flash as pf
-from helpers import TOLERANCE, assert_close, check_against_reference, random_inputs
+from pallas_flash import attention
+from pallas_flash.masking import make_mask_spec
+from pallas_flash.spec import AttentionSpec
+from helpers import (TOLERANCE, assert_close, check_against_reference, kernel_names,
+                     random_inputs)
 
 ON_GPU = jax.default_backend() == "gpu"
 IS_HOPPER = ON_GPU and str(getattr(jax.devices()[0], "compute_capability", "")) == "9.0"
@@ -22,25 +27,10 @@ needs_mosaic = pytest.mark.skipif(ON_GPU and not IS_HOPPER, reason="Mosaic GPU n
 SHAPE = (1, 128, 128, 4, 2, 64)
 
 
-def _kernel_names(fn, *args):
-    """Names of the kernels staged by fn: pallas_call `name`s and Mosaic `mpmd_map` names."""
-    names = set()
-
-    def walk(jaxpr):
-        for eqn in jaxpr.eqns:
-            if eqn.primitive.name in ("pallas_call", "mpmd_map"):
-                names.add(eqn.params.get("name"))
-            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-                walk(sub)
-
-    walk(jax.make_jaxpr(fn)(*args).jaxpr)
-    return names
-
-
 @needs_mosaic
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_mosaic_forward_feeds_triton_backward(causal):
-    # O and lse from the Mosaic kernel, dq, dk, dv from the Triton kernels reading its row
+def test_mosaic_backend_matches_reference(causal):
+    # O and lse from the Mosaic forward, dq, dk, dv from the Mosaic backward reading its row
     # statistics: all five against the float32 reference.
     q, k, v, do = random_inputs(jax.random.PRNGKey(81), *SHAPE, jnp.bfloat16)
     check_against_reference(q, k, v, do, causal=causal, backend="mosaic")
@@ -64,20 +54,52 @@ def test_mosaic_against_triton_and_reference():
 def test_auto_and_triton_stage_the_triton_kernels():
     q, k, v, _ = random_inputs(jax.random.PRNGKey(83), *SHAPE, jnp.bfloat16)
     for backend in ("auto", "triton"):
-        names = _kernel_names(lambda q: pf.flash_attention(q, k, v, backend=backend), q)
+        names = kernel_names(lambda q: pf.flash_attention(q, k, v, backend=backend), q)
         assert names == {"pallas_flash_fwd"}, (backend, names)
 
 
 @needs_mosaic
 def test_mosaic_stages_the_mosaic_forward():
     q, k, v, _ = random_inputs(jax.random.PRNGKey(84), *SHAPE, jnp.bfloat16)
-    names = _kernel_names(lambda q: pf.flash_attention(q, k, v, backend="mosaic"), q)
+    names = kernel_names(lambda q: pf.flash_attention(q, k, v, backend="mosaic"), q)
     assert names == {"pallas_flash_mosaic_fwd"}, names
-    grad_names = _kernel_names(
+    grad_names = kernel_names(
         jax.grad(lambda q: pf.flash_attention(q, k, v, backend="mosaic").astype(
             jnp.float32).sum()), q)
-    assert grad_names == {"pallas_flash_mosaic_fwd", "pallas_flash_bwd_dkdv",
-                          "pallas_flash_bwd_dq"}, grad_names
+    assert grad_names == {"pallas_flash_mosaic_fwd", "pallas_flash_mosaic_bwd_dkdv",
+                          "pallas_flash_mosaic_bwd_dq"}, grad_names
+    # Softcap: the Mosaic forward serves it, its backward not yet, so the Triton one follows.
+    softcap_names = kernel_names(
+        jax.grad(lambda q: pf.flash_attention(q, k, v, backend="mosaic", softcap=20.0).astype(
+            jnp.float32).sum()), q)
+    assert softcap_names == {"pallas_flash_mosaic_fwd", "pallas_flash_bwd_dkdv",
+                             "pallas_flash_bwd_dq"}, softcap_names
+
+
+@needs_mosaic
+@pytest.mark.parametrize("pair", [("triton", "mosaic"), ("mosaic", "mosaic"),
+                                  ("mosaic", "triton")], ids="-".join)
+def test_any_forward_feeds_any_backward(pair):
+    # The row statistics are the whole contract between the passes: each forward's must give
+    # each backward the reference's gradients (triton-triton is every other test).
+    q, k, v, do = random_inputs(jax.random.PRNGKey(86), *SHAPE, jnp.bfloat16)
+    spec = AttentionSpec(mask=make_mask_spec(128, 128, causal=True), scale=64 ** -0.5,
+                         softcap=None, has_segments=False, precision=lax.Precision.DEFAULT,
+                         config=pf.default_config(64, jnp.bfloat16), interpret=not ON_GPU)
+    fn = attention._custom_vjp_attention(spec, *pair)
+    (out, lse), vjp = jax.vjp(lambda q, k, v: fn(q, k, v, None, None), q, k, v)
+    dlse = jax.random.normal(jax.random.PRNGKey(87), lse.shape)
+    grads = vjp((do, dlse))
+    up = lambda x: x.astype(jnp.float32)  # noqa: E731
+    (ref_out, ref_lse), ref_vjp = jax.vjp(
+        lambda q, k, v: pf.reference_attention(q, k, v, causal=True, return_lse=True),
+        up(q), up(k), up(v))
+    ref_grads = ref_vjp((up(do), dlse))
+    tol = TOLERANCE[jnp.dtype(jnp.bfloat16)]
+    assert_close("out", out, ref_out, tol)
+    assert_close("lse", lse, ref_lse, tol, floor=1.0)
+    for name, g, rg in zip(("dq", "dk", "dv"), grads, ref_grads):
+        assert_close(name, g, rg, tol)
 
 
 @pytest.mark.parametrize("change,match", [
