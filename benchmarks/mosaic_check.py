@@ -15,21 +15,17 @@ row with the first lines of its message; the full text of the first failure goes
 <out>/mosaic_check_first_failure.log and every failure to <out>/mosaic_check_errors.log. Results
 go to <out>/mosaic_check.json (rewritten after every row). A watchdog ends the run (writing the
 JSON first) if one check hangs (a barrier deadlock cannot be caught as an exception) or the whole
-run passes its time budget.
+run passes its time budget. That machinery lives in benchmarks/check_log.py.
 """
 
 from __future__ import annotations
 
 import argparse
-import faulthandler
-import json
 import math
 import os
 import platform
 import sys
-import threading
 import time
-import traceback
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
@@ -37,7 +33,8 @@ if ROOT not in sys.path:
 
 import numpy as np  # noqa: E402
 
-START = time.monotonic()
+from benchmarks.check_log import CheckLog, error_lines  # noqa: E402
+
 TOTAL_BUDGET_S = 240.0      # the run must end within ~250 s
 # One check (compile + run + the reference's XLA compile) longer than this counts as a hang. 40 s
 # was too short on our H200 with 26 pytest workers compiling beside it: it fired inside the
@@ -46,110 +43,14 @@ CHECK_HANG_S = 120.0
 TOL = {"bfloat16": 2e-2, "float16": 4e-3}
 
 
-class Recorder:
-    def __init__(self, out_dir):
-        self.out_dir = out_dir
-        os.makedirs(out_dir, exist_ok=True)
-        self.rows = []
-        self.env = {}
-        self.first_failure_written = False
-        self.lock = threading.Lock()
-        self.current = None
-        self.current_since = None
-
-    def path(self, name):
-        return os.path.join(self.out_dir, name)
-
-    def write_json(self):
-        with self.lock:
-            data = {"env": self.env, "rows": self.rows,
-                    "elapsed_s": round(time.monotonic() - START, 2)}
-        tmp = self.path("mosaic_check.json.tmp")
-        with open(tmp, "w") as f:
-            json.dump(data, f, indent=1, default=str)
-        os.replace(tmp, self.path("mosaic_check.json"))
-
-    def row(self, status, check, **fields):
-        fields = {k: (round(v, 6) if isinstance(v, float) else v) for k, v in fields.items()}
-        rec = {"status": status, "check": check, "t_s": round(time.monotonic() - START, 1),
-               **fields}
-        with self.lock:
-            self.rows.append(rec)
-        shown = " ".join(f"{k}={v}" for k, v in fields.items() if k != "error")
-        print(f"[{rec['t_s']:6.1f}s] {status:4s} {check} {shown}", flush=True)
-        if "error" in fields:
-            for line in str(fields["error"]).splitlines()[:6]:
-                print(f"           | {line}", flush=True)
-        self.write_json()
-
-    def fail(self, check, exc, **fields):
-        text = "".join(traceback.format_exception(exc))
-        first_lines = "\n".join(_error_lines(exc, 8))
-        with open(self.path("mosaic_check_errors.log"), "a") as f:
-            f.write(f"===== {check} =====\n{text}\n")
-        if not self.first_failure_written:
-            self.first_failure_written = True
-            with open(self.path("mosaic_check_first_failure.log"), "w") as f:
-                f.write(f"check: {check}\nfields: {fields}\n\n{text}\n")
-        self.row("FAIL", check, error=first_lines, error_type=type(exc).__name__, **fields)
-
-
-def _error_lines(exc, n):
-    lines = [ln for ln in f"{type(exc).__name__}: {exc}".splitlines() if ln.strip()]
-    return lines[:n]
-
-
-def _watchdog(rec: Recorder):
-    while True:
-        time.sleep(1.0)
-        now = time.monotonic()
-        hung = rec.current is not None and now - rec.current_since > CHECK_HANG_S
-        over = now - START > TOTAL_BUDGET_S + 5
-        if hung or over:
-            why = (f"check {rec.current!r} still running after {CHECK_HANG_S:.0f} s "
-                   "(a deadlock in the kernel's barriers, or a very slow compile)"
-                   if hung else f"total time budget {TOTAL_BUDGET_S:.0f} s exceeded")
-            print(f"[{now - START:6.1f}s] FAIL watchdog: {why}; stacks follow, then exit",
-                  flush=True)
-            try:
-                with open(rec.path("mosaic_check_errors.log"), "a") as f:
-                    f.write(f"===== watchdog =====\n{why}\n")
-                    faulthandler.dump_traceback(file=f, all_threads=True)
-                if not rec.first_failure_written:
-                    with open(rec.path("mosaic_check_first_failure.log"), "w") as f:
-                        f.write(f"watchdog: {why}\n")
-                with rec.lock:
-                    rec.rows.append({"status": "FAIL", "check": "watchdog", "error": why,
-                                     "t_s": round(now - START, 1)})
-                rec.write_json()
-            finally:
-                os._exit(3)
-
-
-def time_left():
-    return TOTAL_BUDGET_S - (time.monotonic() - START)
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--iters", type=int, default=10)
     args = parser.parse_args()
-    rec = Recorder(args.out)
-    threading.Thread(target=_watchdog, args=(rec,), daemon=True).start()
-
-    def guarded(check, fn, min_left=5.0, **fields):
-        if time_left() < min_left:
-            rec.row("SKIP", check, reason=f"time budget ({time_left():.0f} s left)", **fields)
-            return None
-        rec.current, rec.current_since = check, time.monotonic()
-        try:
-            return fn()
-        except Exception as exc:  # noqa: BLE001 -- every failure becomes a FAIL row
-            rec.fail(check, exc, **fields)
-            return None
-        finally:
-            rec.current = None
+    rec = CheckLog(args.out, "mosaic_check", total_budget_s=TOTAL_BUDGET_S, hang_s=CHECK_HANG_S)
+    rec.start_watchdog()
+    guarded = rec.guarded
 
     # ---- environment ----------------------------------------------------------------------
     try:
@@ -262,21 +163,17 @@ def main():
                                   err_triton_vs_ref=rel(np.asarray(t_out.astype(jnp.float32)),
                                                         ref_o))
                 except Exception as exc:  # noqa: BLE001
-                    fields["triton_error"] = " | ".join(_error_lines(exc, 3))
+                    fields["triton_error"] = " | ".join(error_lines(exc, 3))
             tol = TOL[dt]
             bad = [key for key in ("err_o_ref", "err_lse_ref", "err_o_triton", "err_lse_triton")
                    if key in fields and not fields[key] <= tol]
             if bad:
                 where = _first_bad_rows(out, ref_o)
                 rec.row("FAIL", name, tol=tol, over_tol=bad, worst_rows=where, **fields)
-                with open(rec.path("mosaic_check_errors.log"), "a") as f:
-                    f.write(f"===== {name} =====\nnumerical mismatch {fields}\n"
-                            f"worst (batch, seq, head) rows of |O - ref|: {where}\n")
-                if not rec.first_failure_written:
-                    rec.first_failure_written = True
-                    with open(rec.path("mosaic_check_first_failure.log"), "w") as f:
-                        f.write(f"check: {name}\nnumerical mismatch, tol {tol}: {fields}\n"
-                                f"worst rows: {where}\n")
+                rec.note_failure(
+                    name, f"numerical mismatch {fields}\n"
+                          f"worst (batch, seq, head) rows of |O - ref|: {where}",
+                    first_text=f"numerical mismatch, tol {tol}: {fields}\nworst rows: {where}")
                 return False
             rec.row("PASS", name, tol=tol, **fields)
             return True
@@ -324,12 +221,7 @@ def main():
 
             guarded(check, bench, min_left=8.0)
 
-    n_fail = sum(r["status"] == "FAIL" for r in rec.rows)
-    n_pass = sum(r["status"] == "PASS" for r in rec.rows)
-    print(f"done: {n_pass} PASS, {n_fail} FAIL in {time.monotonic() - START:.1f} s; "
-          f"JSON: {rec.path('mosaic_check.json')}", flush=True)
-    rec.write_json()
-    return 0 if n_fail == 0 else 1
+    return rec.finish()
 
 
 def _import_mosaic():
