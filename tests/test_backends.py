@@ -68,12 +68,14 @@ def test_mosaic_stages_the_mosaic_forward():
             jnp.float32).sum()), q)
     assert grad_names == {"pallas_flash_mosaic_fwd", "pallas_flash_mosaic_bwd_dkdv",
                           "pallas_flash_mosaic_bwd_dq"}, grad_names
-    # Softcap: the Mosaic forward serves it, its backward not yet, so the Triton one follows.
+    # The Mosaic backward serves everything the Mosaic forward does (softcap, windows, any
+    # length, segment ids / lengths), so no Triton kernel follows it any more.
     softcap_names = kernel_names(
-        jax.grad(lambda q: pf.flash_attention(q, k, v, backend="mosaic", softcap=20.0).astype(
-            jnp.float32).sum()), q)
-    assert softcap_names == {"pallas_flash_mosaic_fwd", "pallas_flash_bwd_dkdv",
-                             "pallas_flash_bwd_dq"}, softcap_names
+        jax.grad(lambda q: pf.flash_attention(
+            q[:, :100], k, v, backend="mosaic", softcap=20.0, window=(40, 0),
+            q_lengths=jnp.asarray([90], jnp.int32)).astype(jnp.float32).sum()), q)
+    assert softcap_names == {"pallas_flash_mosaic_fwd", "pallas_flash_mosaic_bwd_dkdv",
+                             "pallas_flash_mosaic_bwd_dq"}, softcap_names
 
 
 @needs_mosaic

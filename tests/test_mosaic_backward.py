@@ -19,7 +19,7 @@ from jax import lax
 
 import pallas_flash as pf
 from helpers import TOLERANCE, assert_close, kernel_names, random_inputs
-from pallas_flash.masking import make_mask_spec
+from pallas_flash.masking import fold_lengths, make_mask_spec
 from pallas_flash.spec import AttentionSpec
 from pallas_flash.stats import RowStats
 from pallas_flash.triton import backward as triton_backward
@@ -42,13 +42,23 @@ def _spec(sq, skv, d, dtype, *, causal, alignment="top_left", window=None, softc
         interpret=(not ON_GPU) if interpret is None else interpret)
 
 
-def _reference_grads(q, k, v, do, dlse, *, causal, alignment):
-    """vjp of the float32 reference for cotangents (do, dlse); dlse only on finite lse rows."""
+def _reference_grads(q, k, v, do, dlse, **kwargs):
+    """vjp of the float32 reference for cotangents (do, dlse); dlse only on finite lse rows.
+
+    kwargs go to reference_attention (causal, causal_alignment, window, softcap, segment ids,
+    lengths)."""
     up = lambda x: x.astype(jnp.float32)  # noqa: E731
-    fn = lambda q, k, v: pf.reference_attention(  # noqa: E731
-        q, k, v, causal=causal, causal_alignment=alignment, return_lse=True)
+    fn = lambda q, k, v: pf.reference_attention(q, k, v, return_lse=True, **kwargs)  # noqa: E731
     (_, lse), vjp = jax.vjp(fn, up(q), up(k), up(v))
     return vjp((up(do), jnp.where(jnp.isfinite(lse), dlse, 0.0)))
+
+
+def _check(grads, tri, ref, inputs, dtype):
+    tol = TOLERANCE[jnp.dtype(dtype)]
+    for name, g, t, r, x in zip(("dq", "dk", "dv"), grads, tri, ref, inputs):
+        assert g.dtype == x.dtype and g.shape == x.shape, (name, g.dtype, g.shape)
+        assert_close(f"{name} vs reference", g, r, tol)
+        assert_close(f"{name} vs triton", g, t, tol)
 
 
 CASES = [
@@ -77,12 +87,76 @@ def test_matches_reference_and_triton(b, sq, skv, hq, hkv, d, dtype, causal, ali
     out, stats = triton_forward.forward(spec, q, k, v)
     grads = mosaic.backward(spec, q, k, v, out, stats, do, dlse, config=config)
     tri = triton_backward.backward(spec, q, k, v, out, stats, do, dlse)
-    ref = _reference_grads(q, k, v, do, dlse, causal=causal, alignment=alignment)
-    tol = TOLERANCE[jnp.dtype(dtype)]
-    for name, g, t, r, x in zip(("dq", "dk", "dv"), grads, tri, ref, (q, k, v)):
-        assert g.dtype == x.dtype and g.shape == x.shape, (name, g.dtype, g.shape)
-        assert_close(f"{name} vs reference", g, r, tol)
-        assert_close(f"{name} vs triton", g, t, tol)
+    ref = _reference_grads(q, k, v, do, dlse, causal=causal, causal_alignment=alignment)
+    _check(grads, tri, ref, (q, k, v), dtype)
+
+
+def _segments(b, sq, skv, n_segments, q_cut, kv_cut):
+    """Sorted ids (packed documents, a different split per batch row) and padding lengths."""
+    def ids(seq, shift):
+        pos = jnp.arange(seq)[None, :] + jnp.arange(b)[:, None] * shift
+        return jnp.minimum(pos * n_segments // seq, n_segments - 1).astype(jnp.int32)
+
+    q_lengths = jnp.asarray([sq - q_cut * (i + 1) for i in range(b)], jnp.int32)
+    kv_lengths = jnp.asarray([skv - kv_cut * (i + 1) for i in range(b)], jnp.int32)
+    return dict(q_segment_ids=ids(sq, 17), kv_segment_ids=ids(skv, 23), q_lengths=q_lengths,
+                kv_lengths=kv_lengths)
+
+
+VARIANTS = [
+    # (b, sq, skv, hq, hkv, d, dtype, options, config)
+    # (1) softcap: P from tanh logit units, dS times (1 - t^2); causal GQA, drains included.
+    # Small softcaps: the scaled logits here are ~N(0, 1), so t^2 is large enough (~0.2) that
+    # a missing chain-rule factor shows far above the bfloat16 tolerance.
+    pytest.param(1, 256, 256, 4, 2, 64, jnp.bfloat16, dict(causal=True, softcap=2.0),
+                 Config(dq_block_kv=64), id="softcap-causal-gqa"),
+    # (2) sliding window: a left bound that cuts blocks (masked leading and trailing edges,
+    # blocks skipped on both sides of each warpgroup's range) ...
+    pytest.param(1, 256, 256, 2, 1, 64, jnp.bfloat16, dict(causal=True, window=(70, 0)),
+                 Config(dq_block_kv=64), id="window-causal"),
+    # ... and a two-sided window with softcap at head_dim 256 (column-split dK/dV), with
+    # partial tiles (136 % 64, 100 % 64) and a length not a multiple of 8 padded.
+    pytest.param(1, 136, 100, 2, 1, 256, jnp.bfloat16, dict(window=(30, 20), softcap=2.5),
+                 None, id="window-softcap-d256-partial"),
+    # (3) partial tiles: seq_q 100 (padded to 104), seq_kv 150 (a 22-key last block),
+    # bottom-right, so the first queries see nothing.
+    pytest.param(1, 100, 150, 2, 1, 64, jnp.float16,
+                 dict(causal=True, causal_alignment="bottom_right"), None, id="partial-f16"),
+    # Shorter than one tile: the second dQ warpgroup and the second 64-key dK/dV warpgroup lie
+    # wholly past the end.
+    pytest.param(1, 40, 50, 2, 1, 64, jnp.bfloat16,
+                 dict(causal=True, causal_alignment="bottom_right"), None, id="partial-tiny"),
+    # (4) segment ids and padding lengths, with a window, softcap, one dQ warpgroup, 3 stages.
+    pytest.param(2, 200, 180, 2, 2, 128, jnp.float16,
+                 dict(causal=True, window=(50, None), softcap=3.0, segments=(3, 7, 20)),
+                 Config(dq_compute_wgs=1, dkdv_stages=3), id="segments-window-softcap"),
+    pytest.param(1, 256, 192, 2, 1, 64, jnp.bfloat16, dict(segments=(4, 30, 50)),
+                 Config(dq_block_kv=64), id="segments-lengths-full"),
+]
+
+
+@needs_hopper
+@pytest.mark.parametrize("b,sq,skv,hq,hkv,d,dtype,options,config", VARIANTS)
+def test_variants_match_reference_and_triton(b, sq, skv, hq, hkv, d, dtype, options, config):
+    options = dict(options)
+    q, k, v, do = random_inputs(jax.random.PRNGKey(97), b, sq, skv, hq, hkv, d, dtype)
+    dlse = jax.random.normal(jax.random.PRNGKey(98), (b, hq, sq), jnp.float32)
+    segments = options.pop("segments", None)
+    q_ids = kv_ids = None
+    if segments is not None:
+        seg_kwargs = _segments(b, sq, skv, *segments)
+        options.update(seg_kwargs)
+        q_ids, kv_ids = fold_lengths(**seg_kwargs, batch=b, seq_q=sq, seq_kv=skv)
+    spec = _spec(sq, skv, d, dtype, causal=options.get("causal", False),
+                 alignment=options.get("causal_alignment", "top_left"),
+                 window=options.get("window"), softcap=options.get("softcap"),
+                 has_segments=segments is not None)
+    assert mosaic.unsupported_reason(spec, q, k, v, config) is None
+    out, stats = triton_forward.forward(spec, q, k, v, q_ids, kv_ids)
+    grads = mosaic.backward(spec, q, k, v, out, stats, do, dlse, q_ids, kv_ids, config=config)
+    tri = triton_backward.backward(spec, q, k, v, out, stats, do, dlse, q_ids, kv_ids)
+    ref = _reference_grads(q, k, v, do, dlse, **options)
+    _check(grads, tri, ref, (q, k, v), dtype)
 
 
 @needs_hopper
@@ -103,7 +177,7 @@ def test_float16_ds_does_not_overflow():
     out, stats = triton_forward.forward(spec, q, k, v)
     grads = mosaic.backward(spec, q, k, v, out, stats, do, dlse)
     tri = triton_backward.backward(spec, q, k, v, out, stats, do, dlse)
-    ref = _reference_grads(q, k, v, do, dlse, causal=True, alignment="top_left")
+    ref = _reference_grads(q, k, v, do, dlse, causal=True)
     tol = TOLERANCE[jnp.dtype(jnp.float16)]
     n_over = 0
     for name, g, t, r in zip(("dq", "dk", "dv"), grads, tri, ref):
@@ -132,10 +206,20 @@ def test_staged_kernels_carry_their_names():
     assert mosaic.DQ_KERNEL_NAME == "pallas_flash_mosaic_bwd_dq"
 
 
-@pytest.mark.parametrize("d,dtype,causal", [(64, jnp.bfloat16, True), (256, jnp.float16, False)])
-def test_lowers_for_sm90(d, dtype, causal):
-    args = _dummy(2, 1024, 1024, 4, 2, d, dtype)
-    spec = _spec(1024, 1024, d, dtype, causal=causal, interpret=False)
+@pytest.mark.parametrize("d,dtype,causal,seq,options", [
+    (64, jnp.bfloat16, True, 1024, {}),
+    (256, jnp.float16, False, 1024, {}),
+    # Every option the backward serves at once: softcap, a window, segment ids (with padding
+    # lengths folded in) and a length that is neither a multiple of the tiles nor of 8.
+    (128, jnp.bfloat16, True, 1001, dict(window=(200, None), softcap=30.0, has_segments=True)),
+    (256, jnp.bfloat16, False, 1001, dict(window=(100, 50), softcap=30.0, has_segments=True)),
+], ids=["causal-d64", "full-d256", "all-options-d128", "all-options-d256"])
+def test_lowers_for_sm90(d, dtype, causal, seq, options):
+    args = _dummy(2, seq, seq, 4, 2, d, dtype)
+    spec = _spec(seq, seq, d, dtype, causal=causal, interpret=False, **options)
+    if spec.has_segments:
+        ids = jnp.zeros((2, seq), jnp.int32)
+        args = args + (ids, ids)
     fn = jax.jit(lambda *a: mosaic.backward(spec, *a))
     text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
@@ -144,12 +228,7 @@ def test_lowers_for_sm90(d, dtype, causal):
 @pytest.mark.parametrize("change,match", [
     (dict(dtype=jnp.float32), "dtype"),
     (dict(d=96), "head_dim"),
-    (dict(sq=200), "seq_q"),
-    (dict(skv=200), "seq_kv"),
     (dict(hq=3, hkv=2), "multiple of kv_heads"),
-    (dict(softcap=30.0), "softcap"),
-    (dict(window=(64, 0)), "window"),
-    (dict(has_segments=True), "segment"),
     (dict(config=Config(dkdv_stages=4)), "shared memory"),
 ])
 def test_unsupported_raises(change, match):
@@ -168,12 +247,26 @@ def test_unsupported_raises(change, match):
         mosaic.backward(spec, *args, config=config)
 
 
-def test_segment_ids_raise():
+@pytest.mark.parametrize("opts", [dict(softcap=30.0), dict(window=(64, 0)),
+                                  dict(has_segments=True), dict(sq=200, skv=100)],
+                         ids=["softcap", "window", "segments", "partial"])
+def test_served_options_have_no_reason(opts):
+    opts = dict(opts)
+    sq, skv = opts.pop("sq", 256), opts.pop("skv", 256)
+    q, k, v = _dummy(1, sq, skv, 2, 1, 64, jnp.bfloat16)[:3]
+    spec = _spec(sq, skv, 64, jnp.bfloat16, causal=True, **opts)
+    assert mosaic.unsupported_reason(spec, q, k, v) is None
+
+
+def test_segment_ids_must_match_the_spec():
     args = _dummy(1, 256, 256, 2, 1, 64, jnp.bfloat16)
-    spec = _spec(256, 256, 64, jnp.bfloat16, causal=False)
     ids = jnp.zeros((1, 256), jnp.int32)
-    with pytest.raises(NotImplementedError, match="segment"):
+    spec = _spec(256, 256, 64, jnp.bfloat16, causal=False)
+    with pytest.raises(ValueError, match="has_segments"):
         mosaic.backward(spec, *args, ids, ids)
+    spec = _spec(256, 256, 64, jnp.bfloat16, causal=False, has_segments=True)
+    with pytest.raises(ValueError, match="has_segments"):
+        mosaic.backward(spec, *args)
 
 
 def test_config_validation():

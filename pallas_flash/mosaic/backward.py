@@ -2,8 +2,8 @@
 
 Same contract as `pallas_flash.triton.backward.backward`: (dq, dk, dv) in the dtypes and layouts
 of q, k, v, from the forward's row statistics (stats.RowStats: m in logit units, r = log2 of the
-row's denominator). Weights are recomputed tile by tile as P = 2^((u - m) c - r), u = q.k raw,
-c = scale * log2(e), with u - m formed before the scaling as stats.py asks. With
+row's denominator). Weights are recomputed tile by tile as P = 2^((u - m) c - r), u = q.k raw
+(or tanh(q.k * scale / softcap)), c = logit_scale * log2(e), with u - m formed before the scaling as stats.py asks. With
 D = rowsum(dO * O) - dlse (one XLA pass before the kernels, as in the Triton backward),
 dP = dO V^T and dS = P * (dP - D):
 
@@ -31,24 +31,32 @@ registers, so both warpgroups own the same 64 key rows and split the *columns* o
 (128 each); each recomputes S^T and dP^T (which need the full head_dim), i.e. 6 instead of 4
 matmul units: a known cost of this draft. The dQ kernel: each compute warpgroup owns 64 q rows.
 
-Causal (any static right bound with its offset; masking.MaskSpec): blocks that no row of a
-warpgroup sees are skipped, blocks wholly visible skip the mask, the diagonal ones are masked by
-an iota compare. Warpgroups of one CTA need different block ranges from the one stream; a
+Masks (causal, sliding window, alignment offset: masking.MaskSpec; the key bound; segment ids):
+the loop bounds are MaskSpec's, as in the Triton backward: `q_blocks` per key tile for dK/dV
+(per CTA for what the copy warpgroup streams, per warpgroup for what it computes), `kv_blocks`
+per query tile for dQ. Blocks that no row of a warpgroup sees are skipped, blocks wholly visible
+skip the mask, edge blocks (diagonal, window start and end, partial blocks) are masked by an
+iota compare. Warpgroups of one CTA need different block ranges from the one stream; a
 warpgroup waits for and releases the stream entries it does not use ("drain" steps), which keeps
 every "free" barrier at exactly one arrival per warpgroup per phase (as the Mosaic forward does).
 
-float16: dS is cast to float16 for the dS^T Q and dS K products. Like triton/common.py's
-`scaled_for_cast`, this draft guards the cast against overflow, but per accumulator row instead
-of per tile (a row of dK or dQ only ever meets its own row of dS): each row keeps a running
-factor F >= 1 (the largest max|dS_row| / 2^14 seen so far, 1 while it stays below 2^14); dS rows
-are divided by F before the cast, the accumulator row is rescaled by F_old / F_new when F grows
-and multiplied by F at the end. NaN / inf rows keep F as it is.
+Softcap: logit units are t = tanh(q.k * scale / softcap) (computed through exp2, as in the
+Mosaic forward, so approx_math does not degrade it), c = softcap * log2(e), and
+dS_raw = dS * (1 - t^2).
 
-Supported in this draft (what the Mosaic forward supports): bfloat16 and float16, head_dim
-64/128/256, full or causal (top-left / bottom-right, any static right bound), GQA/MQA, no
-softcap, no left window bound, no segment ids or lengths, seq_q and seq_kv multiples of the
-tiles (`unsupported_reason`). Everything else raises NotImplementedError. As in the Mosaic
-forward, a NaN / inf in a masked-out position of a diagonal block is not isolated.
+Partial tiles (any seq_q, seq_kv), as in the Mosaic forward: the TMA reads rows past the end of
+q, k, v, dO as zeros and drops stores past the end of dq, dk, dv; lengths that are not a
+multiple of 8 (the TMA's row tiling) are zero-padded in XLA first and the gradients sliced back.
+The row statistics are padded to whole q tiles with (m, r, D) = (0, +inf, 0), so padded query
+rows have P = 0 with no mask; keys past seq_kv are masked (K = V = 0 there already makes their
+contribution to dQ zero, and their dK / dV rows are never stored).
+
+Segment ids (padding lengths folded in, masking.fold_lengths): block ranges from
+masking.segment_block_ranges, computed in XLA before the kernels and read as scalars: for dQ,
+key-block ranges per (batch, query CTA) and per (batch, 64-row warpgroup tile); for dK/dV,
+query-block ranges per (batch, key CTA) and per (batch, 64-key warpgroup tile). They tighten
+the MaskSpec bounds, and every visited block is then masked, the ids of the warpgroup's own
+rows and of each streamed block read from global memory into the wgmma row / column layouts.
 
 CPU testing (jax 0.11.2): runs in Mosaic GPU interpret mode (`spec.interpret=True`). There the
 interpreter takes no wgmma operand in registers and no `run_state` over an accumulator, so P^T,
@@ -69,8 +77,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_flash.masking import PAD_KEY_ID, PAD_QUERY_ID, segment_block_ranges
+from pallas_flash.mosaic.common import grid_position, narrowed, streamed_range
 from pallas_flash.spec import AttentionSpec
-from pallas_flash.stats import LOG2E, RowStats
+from pallas_flash.stats import LOG2E, RowStats, logit_scale
 
 __all__ = ["DKDV_KERNEL_NAME", "DQ_KERNEL_NAME", "MosaicBackwardConfig",
            "default_backward_config", "backward", "unsupported_reason"]
@@ -163,9 +173,9 @@ def default_backward_config(head_dim: int) -> MosaicBackwardConfig:
 def unsupported_reason(spec: AttentionSpec, q, k, v,
                        config: MosaicBackwardConfig | None = None):
     """Why this draft cannot take the call, or None if it can."""
-    batch, seq_q, q_heads, head_dim = q.shape
-    seq_kv, kv_heads = k.shape[1], k.shape[2]
-    mask = spec.mask
+    del spec  # softcap, every mask and segment option is served (see below)
+    q_heads, head_dim = q.shape[2:]
+    kv_heads = k.shape[2]
     if jnp.dtype(q.dtype) not in _SUPPORTED_DTYPES:
         return f"mosaic backward: dtype {jnp.dtype(q.dtype).name} (only bfloat16 and float16)"
     if not (q.dtype == k.dtype == v.dtype):
@@ -174,19 +184,9 @@ def unsupported_reason(spec: AttentionSpec, q, k, v,
         return f"mosaic backward: head_dim {head_dim} (only {_SUPPORTED_HEAD_DIMS})"
     if q_heads % kv_heads:
         return f"mosaic backward: q_heads {q_heads} not a multiple of kv_heads {kv_heads}"
-    if spec.softcap is not None:
-        return "mosaic backward: softcap is not supported yet"
-    if mask.left is not None:
-        return "mosaic backward: sliding window (left bound) is not supported yet"
-    if spec.has_segments:
-        return "mosaic backward: segment ids / padding lengths are not supported yet"
+    # Softcap, every mask (causal, alignment, sliding window), any seq_q / seq_kv and segment
+    # ids / padding lengths are served; what is left is dtype, head_dim and shared memory.
     cfg = config or default_backward_config(head_dim)
-    q_mult = _lcm(cfg.dkdv_block_q, cfg.dq_block_q())
-    kv_mult = _lcm(cfg.dkdv_block_kv(head_dim), cfg.dq_block_kv)
-    if seq_q % q_mult:
-        return f"mosaic backward: seq_q {seq_q} must be a multiple of {q_mult}"
-    if seq_kv % kv_mult:
-        return f"mosaic backward: seq_kv {seq_kv} must be a multiple of {kv_mult}"
     for name, need in (("dK/dV", cfg.dkdv_smem_bytes(head_dim)),
                        ("dQ", cfg.dq_smem_bytes(head_dim))):
         if need > SMEM_LIMIT:
@@ -273,56 +273,116 @@ def _div(x, d: int):
     return lax.div(x, jnp.int32(d))
 
 
-def _relu(x):
-    return jnp.maximum(x, jnp.int32(0))
+def _exp2_tanh(x):
+    """tanh(x) as 1 - 2 / (2^(2 x log2 e) + 1).
+
+    approx_math (on here, for exp2) would lower jnp.tanh to tanh.approx.f32, ~2^-11 off: times
+    a softcap of 20-50 that is a logit error near 1e-2, and the recomputed P would no longer
+    match the m and r that the forward saved with an exact tanh. This form needs only
+    ex2.approx (a few ulps) and a division, saturates cleanly to +-1 and keeps NaN.
+    """
+    return 1.0 - 2.0 / (jnp.exp2(x * (2.0 * LOG2E)) + 1.0)
+
+
+def _logit_units(spec: AttentionSpec, s):
+    """(u, t): the tile's logits in logit units (stats.py) and, with a softcap, t = tanh(...)
+    for the chain rule (dS_raw = dS * (1 - t^2)); t is None without a softcap."""
+    if spec.softcap is None:
+        return s, None
+    t = _exp2_tanh(s * (spec.scale / spec.softcap))
+    return t, t
+
+
+def _clamp_range(bounds, lo_limit, hi_limit):
+    """(lo, full_lo, full_hi, hi), each clipped into [lo_limit, hi_limit]; the order is kept.
+
+    A warpgroup's own range must lie inside what the copy warpgroup streams for the CTA, so
+    that its drain / compute / drain loops consume every streamed block exactly once.
+    """
+    return tuple(jnp.clip(b, lo_limit, hi_limit) for b in bounds)
+
+
+def _same_segment(row_ids, col_ids, shape):
+    return _rows(row_ids, shape) == _cols(col_ids, shape)
+
+
+def _and_mask(a, b):
+    return b if a is None else (a if b is None else a & b)
+
+
+def _pad_seq(x, multiple: int, axis: int = 1, value=0):
+    """x padded along `axis` to a multiple of `multiple` (no copy when it already is one)."""
+    extra = -x.shape[axis] % multiple
+    if not extra:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, extra)
+    return jnp.pad(x, widths, constant_values=value)
+
 
 
 # ---- dK / dV ----------------------------------------------------------------------------------
 
-def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, st_ref, dk_ref, dv_ref,
-                 k_smem, v_smem, q_smem, do_smem, st_smem,
-                 k_loaded, v_loaded, q_loaded, do_loaded, st_loaded, slot_free, halves_done,
-                 *stage_smem,
-                 spec: AttentionSpec, cfg: MosaicBackwardConfig, group: int, head_dim: int):
+def _with_segment_refs(body):
+    """A kernel taking its refs as plgpu.kernel passes them, calling `body` with the four
+    segment refs (q ids, kv ids, CTA ranges, warpgroup ranges) always in place: None without
+    segment ids, so one body serves both."""
+
+    def kernel(*refs, spec: AttentionSpec, **kwargs):
+        if spec.has_segments:
+            ins, rest = refs[:9], refs[9:]
+        else:
+            ins, rest = refs[:5] + (None,) * 4, refs[5:]
+        body(*ins, *rest, spec=spec, **kwargs)
+
+    return kernel
+
+
+def _dkdv_body(q_ref, k_ref, v_ref, do_ref, st_ref, q_ids_ref, kv_ids_ref, cta_seg_ref,
+               wg_seg_ref, dk_ref, dv_ref,
+               k_smem, v_smem, q_smem, do_smem, st_smem,
+               k_loaded, v_loaded, q_loaded, do_loaded, st_loaded, slot_free, halves_done,
+               *stage_smem,
+               spec: AttentionSpec, cfg: MosaicBackwardConfig, group: int, head_dim: int):
     mask = spec.mask
     dtype = q_ref.dtype
     block_q, stages = cfg.dkdv_block_q, cfg.dkdv_stages
     wgs = cfg.dkdv_compute_wgs()
     splits = cfg.dkdv_col_splits(head_dim)
     row_tiles = wgs // splits
+    cta_rows = row_tiles * WG_ROWS
     cols = head_dim // splits
-    n_q = mask.seq_q // block_q
-    c = spec.scale * LOG2E
-    bounded = mask.right is not None
-    shift = 0 if not bounded else mask.offset + mask.right  # key j seen by query i iff j <= i + shift
+    c = logit_scale(spec) * LOG2E
+    # Keys past seq_kv (zeros from the TMA) exist only in a partial 64-row tile; their dK / dV
+    # rows are never stored, but the mask keeps their P at 0 all the same.
+    kv_len = mask.seq_kv if mask.seq_kv % WG_ROWS else None
 
     tile = lax.axis_index("tile")
     kv_head = lax.axis_index("head")
     batch = lax.axis_index("batch")
     wg = lax.axis_index("wg")
-    kv_start = tile * (row_tiles * WG_ROWS)
+    kv_start = tile * cta_rows
 
-    def first_block(key0):
-        """First q block holding a query that sees key `key0` (so any key at or after it)."""
-        if not bounded:
-            return jnp.int32(0)
-        return jnp.minimum(_div(_relu(key0 - shift), block_q), n_q)
-
-    def first_full_block(key_last):
-        """First q block whose every query sees key `key_last` (and so every key before it)."""
-        if not bounded:
-            return jnp.int32(0)
-        return jnp.minimum(_div(_relu(key_last - shift) + (block_q - 1), block_q), n_q)
-
-    lo_cta = first_block(kv_start)
-    n_cta = n_q - lo_cta  # q blocks per head that the CTA streams
+    # The q blocks the CTA needs for any of its keys: MaskSpec's bounds (window, causal,
+    # alignment, lengths), tightened by the segment ranges per key tile (precomputed in XLA,
+    # read as scalars). The copy warpgroup streams exactly [cta_lo, cta_hi) for each q head.
+    cta_lo, cta_hi = streamed_range(
+        mask.q_blocks(kv_start, cta_rows, block_q, mask.seq_kv, mask.seq_q), cta_seg_ref, batch,
+        tile)
+    n_cta = cta_hi - cta_lo  # q blocks per head that the CTA streams
     total = group * n_cta
 
     def compute(col: int, row_tile):
         plgpu.set_max_registers(cfg.compute_registers, action="increase")
         key0 = kv_start + row_tile * WG_ROWS
-        lo = first_block(key0)
-        full = first_full_block(key0 + (WG_ROWS - 1))
+        bounds = mask.q_blocks(key0, WG_ROWS, block_q, mask.seq_kv, mask.seq_q)
+        kv_ids = None
+        if wg_seg_ref is not None:
+            # With ids every visited block is masked (ids are data): no unmasked middle.
+            bounds = narrowed(bounds, wg_seg_ref, batch, tile * row_tiles + row_tile)
+            kv_ids = plgpu.load(kv_ids_ref.at[batch, pl.ds(key0, WG_ROWS)],
+                                layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
+        lo, full_lo, full_hi, hi = _clamp_range(bounds, cta_lo, cta_hi)
         my_k, my_v = k_smem.at[row_tile], v_smem.at[row_tile]
         col_slice = (slice(None),) if splits == 1 else (slice(None), pl.ds(col, cols))
         stage = stage_smem[0].at[wg] if spec.interpret else None
@@ -330,7 +390,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, st_ref, dk_ref, dv_ref,
         plgpu.barrier_wait(v_loaded.at[row_tile])
 
         def slot_of(h, i):
-            return lax.rem(h * n_cta + (i - lo_cta), jnp.int32(stages))
+            return lax.rem(h * n_cta + (i - cta_lo), jnp.int32(stages))
 
         def step(h, i, carry, masked: bool):
             dk, dv, fk = carry
@@ -339,20 +399,30 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, st_ref, dk_ref, dv_ref,
             shape = (WG_ROWS, block_q)
             plgpu.barrier_wait(q_loaded.at[slot])
             plgpu.barrier_wait(st_loaded.at[slot])
-            s_t = _matmul(my_k, q_blk.T, shape)
+            u_t, t_t = _logit_units(spec, _matmul(my_k, q_blk.T, shape))
             m = plgpu.load(st.at[0], layout=plgpu.Layout.WGMMA.reduce(0))
             r = plgpu.load(st.at[1], layout=plgpu.Layout.WGMMA.reduce(0))
-            p_t = jnp.exp2((s_t - _cols(m, shape)) * c - _cols(r, shape))
+            p_t = jnp.exp2((u_t - _cols(m, shape)) * c - _cols(r, shape))
             visible = None
             if masked:
+                # Rows are keys, columns queries (the transposed orientation).
                 k_pos, q_pos = _positions(shape, key0, i * block_q)
-                visible = k_pos <= q_pos + shift
-                p_t = jnp.where(visible, p_t, 0.0)
+                visible = mask.visible(q_pos, k_pos, kv_len)
+                if kv_ids is not None:
+                    q_ids = plgpu.load(q_ids_ref.at[batch, pl.ds(i * block_q, block_q)],
+                                       layout=plgpu.Layout.WGMMA.reduce(0), optimized=False)
+                    visible = _and_mask(visible, _same_segment(kv_ids, q_ids, shape))
+                # None: only queries past seq_q make this block an edge, and their r = +inf
+                # already gives P = 0.
+                if visible is not None:
+                    p_t = jnp.where(visible, p_t, 0.0)
             plgpu.barrier_wait(do_loaded.at[slot])
             dp_t = _matmul(my_v, do_blk.T, shape)
             delta = plgpu.load(st.at[2], layout=plgpu.Layout.WGMMA.reduce(0))
             ds_t = p_t * (dp_t - _cols(delta, shape))
-            if masked:
+            if t_t is not None:
+                ds_t = ds_t * (1.0 - t_t * t_t)  # softcap: d(c tanh(x / c)) = 1 - tanh^2
+            if visible is not None:
                 ds_t = jnp.where(visible, ds_t, 0.0)  # 0 even where dP^T is NaN
             dv = _product(dv, p_t.astype(dtype), do_blk.at[col_slice],
                           interpret=spec.interpret, stage_ref=stage)
@@ -372,15 +442,22 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, st_ref, dk_ref, dv_ref,
             plgpu.barrier_arrive(slot_free.at[slot])
 
         def head_loop(h, carry):
-            lax.fori_loop(lo_cta, lo, lambda i, _: drain(h, i), None)
-            carry = lax.fori_loop(lo, full, lambda i, cr: step(h, i, cr, True), carry)
-            return lax.fori_loop(full, n_q, lambda i, cr: step(h, i, cr, False), carry)
+            # Blocks before this warpgroup's range (the other warpgroup needs them), the
+            # masked leading edge (diagonal / window end), the unmasked middle, the masked
+            # trailing edge (window start, a partial last q block), blocks after its range.
+            lax.fori_loop(cta_lo, lo, lambda i, _: drain(h, i), None)
+            carry = lax.fori_loop(lo, full_lo, lambda i, cr: step(h, i, cr, True), carry)
+            carry = lax.fori_loop(full_lo, full_hi, lambda i, cr: step(h, i, cr, False), carry)
+            carry = lax.fori_loop(full_hi, hi, lambda i, cr: step(h, i, cr, True), carry)
+            lax.fori_loop(hi, cta_hi, lambda i, _: drain(h, i), None)
+            return carry
 
         carry = (_zeros_acc(WG_ROWS, cols), _zeros_acc(WG_ROWS, cols), _row_vector(1.0, WG_ROWS))
         dk, dv, fk = lax.fori_loop(0, group, head_loop, carry)
         dk = dk * _rows(fk * spec.scale, dk.shape)
 
         # K and V are no longer read once the loops end: their buffers carry dK and dV out.
+        # The TMA store drops rows past the end of dK / dV (a partial last key tile).
         rows = (batch, pl.ds(key0, WG_ROWS), kv_head)
         if splits == 1:
             my_k[...] = dk.astype(dtype)
@@ -422,6 +499,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, st_ref, dk_ref, dv_ref,
     def _copy():
         plgpu.set_max_registers(cfg.copy_registers, action="decrease")
         for rt in range(row_tiles):
+            # Rows past the end of k / v (a partial last tile) arrive as zeros.
             rows = (batch, pl.ds(kv_start + rt * WG_ROWS, WG_ROWS), kv_head)
             plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[rt], k_loaded.at[rt])
             plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[rt], v_loaded.at[rt])
@@ -429,7 +507,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, st_ref, dk_ref, dv_ref,
         def issue(t, slot):
             per_head = jnp.maximum(n_cta, 1)
             q_head = kv_head * group + lax.div(t, per_head)
-            q0 = (lo_cta + lax.rem(t, per_head)) * block_q
+            q0 = (cta_lo + lax.rem(t, per_head)) * block_q
             rows = (batch, pl.ds(q0, block_q), q_head)
             plgpu.copy_gmem_to_smem(q_ref.at[rows], q_smem.at[slot], q_loaded.at[slot])
             plgpu.copy_gmem_to_smem(st_ref.at[batch, q_head, :, pl.ds(q0, block_q)],
@@ -455,52 +533,55 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, st_ref, dk_ref, dv_ref,
 
 # ---- dQ ---------------------------------------------------------------------------------------
 
-def _dq_kernel(q_ref, k_ref, v_ref, do_ref, st_ref, dq_ref,
-               q_smem, do_smem, st_smem, k_smem, v_smem,
-               own_loaded, k_loaded, v_loaded, k_free, v_free, *stage_smem,
-               spec: AttentionSpec, cfg: MosaicBackwardConfig, group: int, n_tiles: int,
-               head_dim: int):
+def _dq_body(q_ref, k_ref, v_ref, do_ref, st_ref, q_ids_ref, kv_ids_ref, cta_seg_ref,
+             wg_seg_ref, dq_ref,
+             q_smem, do_smem, st_smem, k_smem, v_smem,
+             own_loaded, k_loaded, v_loaded, k_free, v_free, *stage_smem,
+             spec: AttentionSpec, cfg: MosaicBackwardConfig, group: int, n_tiles: int,
+             head_dim: int):
     mask = spec.mask
     dtype = q_ref.dtype
     block_kv, stages, wgs = cfg.dq_block_kv, cfg.dq_stages, cfg.dq_compute_wgs
-    n_kv = mask.seq_kv // block_kv
-    c = spec.scale * LOG2E
-    bounded = mask.right is not None
-    reach_shift = 0 if not bounded else mask.offset + mask.right + 1
+    cta_rows = wgs * WG_ROWS
+    c = logit_scale(spec) * LOG2E
+    # Keys past seq_kv (zeros from the TMA) exist only in a partial last key block.
+    kv_len = mask.seq_kv if mask.seq_kv % block_kv else None
 
-    tile = lax.axis_index("tile")
-    if bounded:
-        tile = (n_tiles - 1) - tile  # the longest rows first
-    head = lax.axis_index("head")
-    batch = lax.axis_index("batch")
-    wg = lax.axis_index("wg")
-    cta_start = tile * (wgs * WG_ROWS)
+    tile, head, batch, wg = grid_position(mask, n_tiles)
+    cta_start = tile * cta_rows
 
-    def blocks_reached(row, round_up: bool):
-        """Key blocks [0, n) that query `row` sees (round_up: partly; else wholly)."""
-        if not bounded:
-            return jnp.int32(n_kv)
-        keys = jnp.clip(row + reach_shift, 0, mask.seq_kv)
-        if round_up:
-            keys = keys + (block_kv - 1)
-        return _div(keys, block_kv)
+    # Key blocks the CTA needs for any of its rows; the copy warpgroup streams exactly these.
+    cta_lo, cta_hi = streamed_range(mask.kv_blocks(cta_start, cta_rows, block_kv, mask.seq_kv),
+                                    cta_seg_ref, batch, tile)
+    n_steps = cta_hi - cta_lo
 
-    n_steps = blocks_reached(cta_start + (wgs * WG_ROWS - 1), True)
+    def slot_of(j):
+        return lax.rem(j - cta_lo, jnp.int32(stages))
 
     @pl.when(wg < wgs)
     def _compute():
         plgpu.set_max_registers(cfg.compute_registers, action="increase")
         q0 = cta_start + wg * WG_ROWS
         my_q, my_do, my_st = q_smem.at[wg], do_smem.at[wg], st_smem.at[wg]
+        # Rows past the end of q / dO arrive as zeros (their stats, padded, give P = 0), and
+        # the TMA store of dQ drops them.
         rows = (batch, pl.ds(q0, WG_ROWS), head)
         plgpu.copy_gmem_to_smem(q_ref.at[rows], my_q, own_loaded.at[wg])
         plgpu.copy_gmem_to_smem(do_ref.at[rows], my_do, own_loaded.at[wgs + wg])
         plgpu.copy_gmem_to_smem(st_ref.at[batch, head, :, pl.ds(q0, WG_ROWS)], my_st,
                                 own_loaded.at[2 * wgs + wg])
         stage = stage_smem[0].at[wg] if spec.interpret else None
-        hi = blocks_reached(q0 + (WG_ROWS - 1), True)
-        full = blocks_reached(q0, False)
         shape = (WG_ROWS, block_kv)
+
+        bounds = mask.kv_blocks(q0, WG_ROWS, block_kv, mask.seq_kv)
+        q_ids = None
+        if wg_seg_ref is not None:
+            bounds = narrowed(bounds, wg_seg_ref, batch, tile * wgs + wg)
+            q_ids = plgpu.load(q_ids_ref.at[batch, pl.ds(q0, WG_ROWS)],
+                               layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
+        # A warpgroup wholly past seq_q (the second one of a short last tile) computes nothing.
+        bounds = tuple(jnp.where(q0 < mask.seq_q, b, cta_lo) for b in bounds)
+        lo, full_lo, full_hi, hi = _clamp_range(bounds, cta_lo, cta_hi)
 
         for j in range(3):
             plgpu.barrier_wait(own_loaded.at[j * wgs + wg])
@@ -510,20 +591,27 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, st_ref, dq_ref,
 
         def step(s, carry, masked: bool):
             dq, fq = carry
-            slot = lax.rem(s, jnp.int32(stages))
+            slot = slot_of(s)
             plgpu.barrier_wait(k_loaded.at[slot])
-            s_ = _matmul(my_q, k_smem.at[slot].T, shape)
-            p = jnp.exp2((s_ - _rows(m, shape)) * c - _rows(r, shape))
+            u, t = _logit_units(spec, _matmul(my_q, k_smem.at[slot].T, shape))
+            p = jnp.exp2((u - _rows(m, shape)) * c - _rows(r, shape))
             visible = None
             if masked:
                 q_pos, k_pos = _positions(shape, q0, s * block_kv)
-                visible = k_pos <= q_pos + (reach_shift - 1)
-                p = jnp.where(visible, p, 0.0)
+                visible = mask.visible(q_pos, k_pos, kv_len)
+                if q_ids is not None:
+                    kv_ids = plgpu.load(kv_ids_ref.at[batch, pl.ds(s * block_kv, block_kv)],
+                                        layout=plgpu.Layout.WGMMA.reduce(0), optimized=False)
+                    visible = _and_mask(visible, _same_segment(q_ids, kv_ids, shape))
+                if visible is not None:
+                    p = jnp.where(visible, p, 0.0)
             plgpu.barrier_wait(v_loaded.at[slot])
             dp = _matmul(my_do, v_smem.at[slot].T, shape)
             plgpu.barrier_arrive(v_free.at[slot])
             ds = p * (dp - _rows(delta, shape))
-            if masked:
+            if t is not None:
+                ds = ds * (1.0 - t * t)  # softcap chain rule
+            if visible is not None:
                 ds = jnp.where(visible, ds, 0.0)
             ds_in, rescale, fq = _cast_rows(ds, fq, dtype)
             if rescale is not None:
@@ -533,17 +621,18 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, st_ref, dq_ref,
             return dq, fq
 
         def drain(s, _):
-            slot = lax.rem(s, jnp.int32(stages))
+            slot = slot_of(s)
             plgpu.barrier_wait(k_loaded.at[slot])
             plgpu.barrier_wait(v_loaded.at[slot])
             plgpu.barrier_arrive(v_free.at[slot])
             plgpu.barrier_arrive(k_free.at[slot])
 
         carry = (_zeros_acc(WG_ROWS, head_dim), _row_vector(1.0, WG_ROWS))
-        carry = lax.fori_loop(0, full, functools.partial(step, masked=False), carry)
-        if bounded:
-            carry = lax.fori_loop(full, hi, functools.partial(step, masked=True), carry)
-            lax.fori_loop(hi, n_steps, drain, None)
+        lax.fori_loop(cta_lo, lo, drain, None)
+        carry = lax.fori_loop(lo, full_lo, functools.partial(step, masked=True), carry)
+        carry = lax.fori_loop(full_lo, full_hi, functools.partial(step, masked=False), carry)
+        carry = lax.fori_loop(full_hi, hi, functools.partial(step, masked=True), carry)
+        lax.fori_loop(hi, cta_hi, drain, None)
         dq, fq = carry
         dq = dq * _rows(fq * spec.scale, dq.shape)
         my_q[...] = dq.astype(dtype)  # Q is no longer read: its buffer carries dQ out
@@ -556,23 +645,20 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, st_ref, dq_ref,
         plgpu.set_max_registers(cfg.copy_registers, action="decrease")
         kv_head = _div(head, group)
 
-        def issue(s, slot):
-            rows = (batch, pl.ds(s * block_kv, block_kv), kv_head)
-            plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot], k_loaded.at[slot])
+        def load(i, _):
+            # Block cta_lo + i goes to slot i % stages once both compute warpgroups have
+            # released the block before it there: V first (released right after dP), then K
+            # (released after the dS K product). Starts are dynamic: a partial last block
+            # reaches past seq_kv, which the TMA reads as zeros.
+            slot = lax.rem(i, jnp.int32(stages))
+            rows = (batch, pl.ds((cta_lo + i) * block_kv, block_kv), kv_head)
+            refill = i >= stages
+            pl.when(refill)(lambda: plgpu.barrier_wait(v_free.at[slot]))
             plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot], v_loaded.at[slot])
-
-        for s in range(min(stages, n_kv)):
-            pl.when(s < n_steps)(functools.partial(issue, s, s))
-
-        def refill(s, _):
-            slot = lax.rem(s, jnp.int32(stages))
-            rows = (batch, pl.ds(s * block_kv, block_kv), kv_head)
-            plgpu.barrier_wait(v_free.at[slot])
-            plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot], v_loaded.at[slot])
-            plgpu.barrier_wait(k_free.at[slot])
+            pl.when(refill)(lambda: plgpu.barrier_wait(k_free.at[slot]))
             plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot], k_loaded.at[slot])
 
-        lax.fori_loop(stages, n_steps, refill, None)
+        lax.fori_loop(jnp.int32(0), n_steps, load, None)
 
         def last_release(s, _):
             slot = lax.rem(s, jnp.int32(stages))
@@ -584,19 +670,37 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, st_ref, dq_ref,
 
 # ---- entry point ------------------------------------------------------------------------------
 
+def _segment_operands(row_ids, col_ids, row_pad, col_pad, *, cta_rows: int, n_ctas: int,
+                      block_col: int, pad_row_id: int, pad_col_id: int):
+    """Segment inputs of one kernel, whose CTAs own `cta_rows` rows in 64-row warpgroup tiles
+    and loop over column blocks of `block_col`: the ids padded (to row_pad / col_pad) so that
+    no id read goes past the end, and the column block ranges [lo, hi) per (batch, CTA) and per
+    (batch, warpgroup tile), int32 [batch, n, 2]."""
+    cta = jnp.stack(segment_block_ranges(row_ids, col_ids, cta_rows, block_col), axis=-1)
+    wg = jnp.stack(segment_block_ranges(row_ids, col_ids, WG_ROWS, block_col), axis=-1)
+    # A warpgroup tile wholly past the end has no range of its own (it computes nothing).
+    wg = _pad_seq(wg, n_ctas * (cta_rows // WG_ROWS))
+    # Padding ids match nothing (masking.py).
+    row_ids = _pad_seq(row_ids, row_pad, value=pad_row_id)
+    col_ids = _pad_seq(col_ids, col_pad, value=pad_col_id)
+    return row_ids, col_ids, cta, wg
+
+
 def backward(spec: AttentionSpec, q, k, v, out, stats: RowStats, do, dlse, q_ids=None,
              kv_ids=None, *, config: MosaicBackwardConfig | None = None):
     """(dq, dk, dv) in the dtypes of q, k, v (contract of triton.backward.backward).
 
     stats: the forward's row statistics; dlse: the cotangent of the public lse (zeros if unused).
+    q_ids, kv_ids: int32 segment ids with padding lengths folded in (masking.fold_lengths),
+    given exactly when spec.has_segments.
     Raises NotImplementedError for anything this draft does not serve (`unsupported_reason`).
     """
     batch, seq_q, q_heads, head_dim = q.shape
     seq_kv, kv_heads = k.shape[1], k.shape[2]
     cfg = config or default_backward_config(head_dim)
-    if q_ids is not None or kv_ids is not None:
-        raise NotImplementedError("mosaic backward: segment ids / padding lengths are not "
-                                  "supported yet")
+    if (q_ids is not None) != spec.has_segments or (kv_ids is not None) != spec.has_segments:
+        raise ValueError("mosaic backward: q_ids and kv_ids are given exactly when "
+                         "spec.has_segments")
     reason = unsupported_reason(spec, q, k, v, cfg)
     if reason is not None:
         raise NotImplementedError(reason)
@@ -605,21 +709,33 @@ def backward(spec: AttentionSpec, q, k, v, out, stats: RowStats, do, dlse, q_ids
     do = do.astype(dtype)
 
     # The preprocess, in XLA: D = rowsum(dO * O) - dlse, and r = -inf (a row that saw no key)
-    # read as +inf so that its P is exactly 0. m, r and D travel together, [b, hq, 3, seq_q].
+    # read as +inf so that its P is exactly 0. m, r and D travel together, [b, hq, 3, seq_q],
+    # padded to whole q tiles of both kernels with (m, r, D) = (0, +inf, 0): rows past seq_q
+    # (zeros from the TMA) then have P = 0 and dS = 0, with no mask.
     delta = jnp.einsum("bshd,bshd->bhs", out.astype(jnp.float32), do.astype(jnp.float32))
     delta = delta - dlse.astype(jnp.float32)
     r = stats.r.astype(jnp.float32)
     r = jnp.where(r == -jnp.inf, jnp.inf, r)
-    rows = jnp.stack([stats.m.astype(jnp.float32), r, delta], axis=2)
+    q_mult = _lcm(cfg.dkdv_block_q, cfg.dq_block_q())
+    rows = jnp.stack([_pad_seq(stats.m.astype(jnp.float32), q_mult, axis=2),
+                      _pad_seq(r, q_mult, axis=2, value=jnp.inf),
+                      _pad_seq(delta, q_mult, axis=2)], axis=2)
+
+    # Mosaic GPU tiles a TMA descriptor's sequence axis by 8 rows and refuses other lengths:
+    # those are zero-padded here (one copy, only for such lengths). The kernels bound
+    # everything by the true lengths in spec.mask; the TMA reads rows past the (padded) end as
+    # zeros and drops stores there, and the gradients are sliced back.
+    q, do = _pad_seq(q, 8), _pad_seq(do, 8)
+    k, v = _pad_seq(k, 8), _pad_seq(v, 8)
     interpret = plgpu.InterpretGPUParams() if spec.interpret else None
     compiler = plgpu.CompilerParams(approx_math=True)
 
     # ---- dK, dV ------------------------------------------------------------------------------
     wgs = cfg.dkdv_compute_wgs()
-    splits = cfg.dkdv_col_splits(head_dim)
     block_kv = cfg.dkdv_block_kv(head_dim)
     row_tiles = block_kv // WG_ROWS
     bq, st = cfg.dkdv_block_q, cfg.dkdv_stages
+    n_kv_tiles = pl.cdiv(seq_kv, block_kv)
     scratch = [
         plgpu.SMEM((row_tiles, WG_ROWS, head_dim), dtype),
         plgpu.SMEM((row_tiles, WG_ROWS, head_dim), dtype),
@@ -636,19 +752,26 @@ def backward(spec: AttentionSpec, q, k, v, out, stats: RowStats, do, dlse, q_ids
     ]
     if spec.interpret:
         scratch.append(plgpu.SMEM((wgs, WG_ROWS, bq), dtype))
+    args = [q, k, v, do, rows]
+    if spec.has_segments:
+        # Per key tile, the ranges run over q blocks (rows: keys, columns: queries).
+        kv_ids_p, q_ids_p, cta, wg = _segment_operands(
+            kv_ids, q_ids, n_kv_tiles * block_kv, pl.cdiv(seq_q, bq) * bq, cta_rows=block_kv,
+            n_ctas=n_kv_tiles, block_col=bq, pad_row_id=PAD_KEY_ID, pad_col_id=PAD_QUERY_ID)
+        args += [q_ids_p, kv_ids_p, cta, wg]
     kv_shape = jax.ShapeDtypeStruct(k.shape, dtype)
     dk, dv = plgpu.kernel(
-        functools.partial(_dkdv_kernel, spec=spec, cfg=cfg, group=group, head_dim=head_dim),
+        functools.partial(_with_segment_refs(_dkdv_body), spec=spec, cfg=cfg, group=group, head_dim=head_dim),
         out_type=(kv_shape, kv_shape),
         scratch_types=scratch,
-        grid=(seq_kv // block_kv, kv_heads, batch),
+        grid=(n_kv_tiles, kv_heads, batch),
         grid_names=("tile", "head", "batch"),
         num_threads=wgs + 1,
         thread_name="wg",
         compiler_params=compiler,
         interpret=interpret,
         kernel_name=DKDV_KERNEL_NAME,
-    )(q, k, v, do, rows)
+    )(*args)
 
     # ---- dQ ----------------------------------------------------------------------------------
     wgs = cfg.dq_compute_wgs
@@ -667,9 +790,16 @@ def backward(spec: AttentionSpec, q, k, v, out, stats: RowStats, do, dlse, q_ids
     ]
     if spec.interpret:
         scratch.append(plgpu.SMEM((wgs, WG_ROWS, bkv), dtype))
-    n_tiles = seq_q // cfg.dq_block_q()
+    n_tiles = pl.cdiv(seq_q, cfg.dq_block_q())
+    args = [q, k, v, do, rows]
+    if spec.has_segments:
+        q_ids_p, kv_ids_p, cta, wg = _segment_operands(
+            q_ids, kv_ids, n_tiles * cfg.dq_block_q(), pl.cdiv(seq_kv, bkv) * bkv,
+            cta_rows=cfg.dq_block_q(), n_ctas=n_tiles, block_col=bkv, pad_row_id=PAD_QUERY_ID,
+            pad_col_id=PAD_KEY_ID)
+        args += [q_ids_p, kv_ids_p, cta, wg]
     dq = plgpu.kernel(
-        functools.partial(_dq_kernel, spec=spec, cfg=cfg, group=group, n_tiles=n_tiles,
+        functools.partial(_with_segment_refs(_dq_body), spec=spec, cfg=cfg, group=group, n_tiles=n_tiles,
                           head_dim=head_dim),
         out_type=jax.ShapeDtypeStruct(q.shape, dtype),
         scratch_types=scratch,
@@ -680,5 +810,5 @@ def backward(spec: AttentionSpec, q, k, v, out, stats: RowStats, do, dlse, q_ids
         compiler_params=compiler,
         interpret=interpret,
         kernel_name=DQ_KERNEL_NAME,
-    )(q, k, v, do, rows)
-    return dq, dk, dv
+    )(*args)
+    return dq[:, :seq_q], dk[:, :seq_kv], dv[:, :seq_kv]

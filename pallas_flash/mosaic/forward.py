@@ -80,8 +80,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_flash.masking import (PAD_KEY_ID, PAD_QUERY_ID, segment_block_ranges,
-                                  with_segment_range)
+from pallas_flash.masking import PAD_KEY_ID, PAD_QUERY_ID, segment_block_ranges
+from pallas_flash.mosaic.common import grid_position, narrowed, streamed_range
 from pallas_flash.spec import AttentionSpec
 from pallas_flash.stats import LOG2E, RowStats, logit_scale
 
@@ -206,24 +206,15 @@ def _kernel_body(q_ref, k_ref, v_ref, q_ids_ref, kv_ids_ref, cta_seg_ref, wg_seg
     # the mask exactly when such a block exists.
     kv_len = mask.seq_kv if mask.seq_kv % block_kv else None
 
-    tile = lax.axis_index("tile")
-    if mask.right is not None:
-        tile = (n_tiles - 1) - tile  # the longest rows first
-    head = lax.axis_index("head")
-    batch = lax.axis_index("batch")
-    wg = lax.axis_index("wg")
+    tile, head, batch, wg = grid_position(mask, n_tiles)
     cta_start = tile * cta_rows
 
     # Key blocks the CTA needs at all: MaskSpec's bounds for all of its rows. The copy
     # warpgroup streams exactly these, and each compute warpgroup consumes every one of them
     # (computing its own sub-range, draining the rest), so the barriers stay in step.
-    cta_lo, _, _, cta_hi = mask.kv_blocks(cta_start, cta_rows, block_kv, mask.seq_kv)
-    if cta_seg_ref is not None:
-        # Only key blocks whose ids may match a query id of the tile (masking.py); the ranges
-        # are precomputed in XLA, [lo, hi) per (batch, tile), and read as scalars here.
-        cta_lo, _, _, cta_hi = with_segment_range(
-            (cta_lo, cta_lo, cta_hi, cta_hi), cta_seg_ref[batch, tile, 0],
-            cta_seg_ref[batch, tile, 1])
+    # With segment ids, only key blocks whose ids may match a query id of the tile.
+    cta_lo, cta_hi = streamed_range(mask.kv_blocks(cta_start, cta_rows, block_kv, mask.seq_kv),
+                                    cta_seg_ref, batch, tile)
     n_steps = cta_hi - cta_lo
 
     def slot_of(j):
@@ -247,9 +238,7 @@ def _kernel_body(q_ref, k_ref, v_ref, q_ids_ref, kv_ids_ref, cta_seg_ref, wg_seg
         q_ids = None
         if wg_seg_ref is not None:
             # With ids every visited block is masked (ids are data): no unmasked middle.
-            wg_block = tile * COMPUTE_WGS + wg
-            bounds = with_segment_range(bounds, wg_seg_ref[batch, wg_block, 0],
-                                        wg_seg_ref[batch, wg_block, 1])
+            bounds = narrowed(bounds, wg_seg_ref, batch, tile * COMPUTE_WGS + wg)
             q_ids = plgpu.load(q_ids_ref.at[batch, pl.ds(q_start, block_q)],
                                layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
         # A warpgroup wholly past seq_q (the second one of a short last tile) computes nothing.
