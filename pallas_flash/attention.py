@@ -102,8 +102,8 @@ def flash_attention(
       config: a `FlashConfig` of tiles; default chosen by head_dim and dtype.
       backend: "auto", "triton" or "mosaic". "mosaic" runs the forward pass with the Pallas
         Mosaic GPU kernels for Hopper (sm_90), and the backward with them too where the Mosaic
-        backward serves the call (no softcap, window, segment ids or partial tiles yet), else
-        with the Triton kernels: all backends keep the same row statistics. It raises a
+        backward serves the call, else with the Triton kernels: all backends keep the same row
+        statistics. It raises a
         ValueError for a call its forward cannot serve. "auto" picks "triton" for now: the
         Mosaic kernels are drafts that have not yet passed the compiled suite on an H100/H200.
       interpret: run in Pallas interpret mode; default: True exactly when JAX has no GPU.
