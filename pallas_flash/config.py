@@ -126,7 +126,9 @@ def default_config(head_dim: int, dtype) -> FlashConfig:
 # Shared memory per thread block by compute capability (CUDA programming guide's opt-in maximum;
 # 9.0's 232448 bytes is what our H200 reported). Interpret mode checks against Hopper's, so a
 # config that could not compile on an H100/H200 fails on the CPU too.
-_SHARED_MEMORY = {(9, 0): 232448, (8, 0): 166912, (8, 6): 101376, (8, 7): 166912, (8, 9): 101376}
+HOPPER_SHARED_MEMORY = 232448
+_SHARED_MEMORY = {(9, 0): HOPPER_SHARED_MEMORY, (8, 0): 166912, (8, 6): 101376, (8, 7): 166912,
+                  (8, 9): 101376}
 _HOPPER = (9, 0)
 
 

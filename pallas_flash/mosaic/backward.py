@@ -78,7 +78,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_flash.masking import PAD_KEY_ID, PAD_QUERY_ID, segment_block_ranges
-from pallas_flash.mosaic.common import grid_position, narrowed, streamed_range
+from pallas_flash.mosaic.common import (SMEM_LIMIT, clamp_range, grid_position, logit_units,
+                                       narrowed, pad_seq, streamed_range,
+                                       unsupported_operands)
 from pallas_flash.spec import AttentionSpec
 from pallas_flash.stats import LOG2E, RowStats, logit_scale
 
@@ -88,10 +90,7 @@ __all__ = ["DKDV_KERNEL_NAME", "DQ_KERNEL_NAME", "MosaicBackwardConfig",
 DKDV_KERNEL_NAME = "pallas_flash_mosaic_bwd_dkdv"
 DQ_KERNEL_NAME = "pallas_flash_mosaic_bwd_dq"
 WG_ROWS = 64                     # wgmma M tile: rows owned by one compute warpgroup
-SMEM_LIMIT = 227 * 1024          # H100/H200 shared memory per CTA
 F16_CAST_LIMIT = 2.0 ** 14       # |dS| above this is scaled down before the float16 cast
-_SUPPORTED_HEAD_DIMS = (64, 128, 256)
-_SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -174,16 +173,10 @@ def unsupported_reason(spec: AttentionSpec, q, k, v,
                        config: MosaicBackwardConfig | None = None):
     """Why this draft cannot take the call, or None if it can."""
     del spec  # softcap, every mask and segment option is served (see below)
-    q_heads, head_dim = q.shape[2:]
-    kv_heads = k.shape[2]
-    if jnp.dtype(q.dtype) not in _SUPPORTED_DTYPES:
-        return f"mosaic backward: dtype {jnp.dtype(q.dtype).name} (only bfloat16 and float16)"
-    if not (q.dtype == k.dtype == v.dtype):
-        return "mosaic backward: q, k and v must share one dtype"
-    if head_dim not in _SUPPORTED_HEAD_DIMS or v.shape[-1] != head_dim:
-        return f"mosaic backward: head_dim {head_dim} (only {_SUPPORTED_HEAD_DIMS})"
-    if q_heads % kv_heads:
-        return f"mosaic backward: q_heads {q_heads} not a multiple of kv_heads {kv_heads}"
+    reason = unsupported_operands("backward", q, k, v)
+    if reason is not None:
+        return reason
+    head_dim = q.shape[-1]
     # Softcap, every mask (causal, alignment, sliding window), any seq_q / seq_kv and segment
     # ids / padding lengths are served; what is left is dtype, head_dim and shared memory.
     cfg = config or default_backward_config(head_dim)
@@ -273,52 +266,12 @@ def _div(x, d: int):
     return lax.div(x, jnp.int32(d))
 
 
-def _exp2_tanh(x):
-    """tanh(x) as 1 - 2 / (2^(2 x log2 e) + 1).
-
-    approx_math (on here, for exp2) would lower jnp.tanh to tanh.approx.f32, ~2^-11 off: times
-    a softcap of 20-50 that is a logit error near 1e-2, and the recomputed P would no longer
-    match the m and r that the forward saved with an exact tanh. This form needs only
-    ex2.approx (a few ulps) and a division, saturates cleanly to +-1 and keeps NaN.
-    """
-    return 1.0 - 2.0 / (jnp.exp2(x * (2.0 * LOG2E)) + 1.0)
-
-
-def _logit_units(spec: AttentionSpec, s):
-    """(u, t): the tile's logits in logit units (stats.py) and, with a softcap, t = tanh(...)
-    for the chain rule (dS_raw = dS * (1 - t^2)); t is None without a softcap."""
-    if spec.softcap is None:
-        return s, None
-    t = _exp2_tanh(s * (spec.scale / spec.softcap))
-    return t, t
-
-
-def _clamp_range(bounds, lo_limit, hi_limit):
-    """(lo, full_lo, full_hi, hi), each clipped into [lo_limit, hi_limit]; the order is kept.
-
-    A warpgroup's own range must lie inside what the copy warpgroup streams for the CTA, so
-    that its drain / compute / drain loops consume every streamed block exactly once.
-    """
-    return tuple(jnp.clip(b, lo_limit, hi_limit) for b in bounds)
-
-
 def _same_segment(row_ids, col_ids, shape):
     return _rows(row_ids, shape) == _cols(col_ids, shape)
 
 
 def _and_mask(a, b):
     return b if a is None else (a if b is None else a & b)
-
-
-def _pad_seq(x, multiple: int, axis: int = 1, value=0):
-    """x padded along `axis` to a multiple of `multiple` (no copy when it already is one)."""
-    extra = -x.shape[axis] % multiple
-    if not extra:
-        return x
-    widths = [(0, 0)] * x.ndim
-    widths[axis] = (0, extra)
-    return jnp.pad(x, widths, constant_values=value)
-
 
 
 # ---- dK / dV ----------------------------------------------------------------------------------
@@ -382,7 +335,7 @@ def _dkdv_body(q_ref, k_ref, v_ref, do_ref, st_ref, q_ids_ref, kv_ids_ref, cta_s
             bounds = narrowed(bounds, wg_seg_ref, batch, tile * row_tiles + row_tile)
             kv_ids = plgpu.load(kv_ids_ref.at[batch, pl.ds(key0, WG_ROWS)],
                                 layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
-        lo, full_lo, full_hi, hi = _clamp_range(bounds, cta_lo, cta_hi)
+        lo, full_lo, full_hi, hi = clamp_range(bounds, cta_lo, cta_hi)
         my_k, my_v = k_smem.at[row_tile], v_smem.at[row_tile]
         col_slice = (slice(None),) if splits == 1 else (slice(None), pl.ds(col, cols))
         stage = stage_smem[0].at[wg] if spec.interpret else None
@@ -399,7 +352,7 @@ def _dkdv_body(q_ref, k_ref, v_ref, do_ref, st_ref, q_ids_ref, kv_ids_ref, cta_s
             shape = (WG_ROWS, block_q)
             plgpu.barrier_wait(q_loaded.at[slot])
             plgpu.barrier_wait(st_loaded.at[slot])
-            u_t, t_t = _logit_units(spec, _matmul(my_k, q_blk.T, shape))
+            u_t, t_t = logit_units(spec, _matmul(my_k, q_blk.T, shape))
             m = plgpu.load(st.at[0], layout=plgpu.Layout.WGMMA.reduce(0))
             r = plgpu.load(st.at[1], layout=plgpu.Layout.WGMMA.reduce(0))
             p_t = jnp.exp2((u_t - _cols(m, shape)) * c - _cols(r, shape))
@@ -581,7 +534,7 @@ def _dq_body(q_ref, k_ref, v_ref, do_ref, st_ref, q_ids_ref, kv_ids_ref, cta_seg
                                layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
         # A warpgroup wholly past seq_q (the second one of a short last tile) computes nothing.
         bounds = tuple(jnp.where(q0 < mask.seq_q, b, cta_lo) for b in bounds)
-        lo, full_lo, full_hi, hi = _clamp_range(bounds, cta_lo, cta_hi)
+        lo, full_lo, full_hi, hi = clamp_range(bounds, cta_lo, cta_hi)
 
         for j in range(3):
             plgpu.barrier_wait(own_loaded.at[j * wgs + wg])
@@ -593,7 +546,7 @@ def _dq_body(q_ref, k_ref, v_ref, do_ref, st_ref, q_ids_ref, kv_ids_ref, cta_seg
             dq, fq = carry
             slot = slot_of(s)
             plgpu.barrier_wait(k_loaded.at[slot])
-            u, t = _logit_units(spec, _matmul(my_q, k_smem.at[slot].T, shape))
+            u, t = logit_units(spec, _matmul(my_q, k_smem.at[slot].T, shape))
             p = jnp.exp2((u - _rows(m, shape)) * c - _rows(r, shape))
             visible = None
             if masked:
@@ -679,10 +632,10 @@ def _segment_operands(row_ids, col_ids, row_pad, col_pad, *, cta_rows: int, n_ct
     cta = jnp.stack(segment_block_ranges(row_ids, col_ids, cta_rows, block_col), axis=-1)
     wg = jnp.stack(segment_block_ranges(row_ids, col_ids, WG_ROWS, block_col), axis=-1)
     # A warpgroup tile wholly past the end has no range of its own (it computes nothing).
-    wg = _pad_seq(wg, n_ctas * (cta_rows // WG_ROWS))
+    wg = pad_seq(wg, n_ctas * (cta_rows // WG_ROWS))
     # Padding ids match nothing (masking.py).
-    row_ids = _pad_seq(row_ids, row_pad, value=pad_row_id)
-    col_ids = _pad_seq(col_ids, col_pad, value=pad_col_id)
+    row_ids = pad_seq(row_ids, row_pad, value=pad_row_id)
+    col_ids = pad_seq(col_ids, col_pad, value=pad_col_id)
     return row_ids, col_ids, cta, wg
 
 
@@ -717,16 +670,16 @@ def backward(spec: AttentionSpec, q, k, v, out, stats: RowStats, do, dlse, q_ids
     r = stats.r.astype(jnp.float32)
     r = jnp.where(r == -jnp.inf, jnp.inf, r)
     q_mult = _lcm(cfg.dkdv_block_q, cfg.dq_block_q())
-    rows = jnp.stack([_pad_seq(stats.m.astype(jnp.float32), q_mult, axis=2),
-                      _pad_seq(r, q_mult, axis=2, value=jnp.inf),
-                      _pad_seq(delta, q_mult, axis=2)], axis=2)
+    rows = jnp.stack([pad_seq(stats.m.astype(jnp.float32), q_mult, axis=2),
+                      pad_seq(r, q_mult, axis=2, value=jnp.inf),
+                      pad_seq(delta, q_mult, axis=2)], axis=2)
 
     # Mosaic GPU tiles a TMA descriptor's sequence axis by 8 rows and refuses other lengths:
     # those are zero-padded here (one copy, only for such lengths). The kernels bound
     # everything by the true lengths in spec.mask; the TMA reads rows past the (padded) end as
     # zeros and drops stores there, and the gradients are sliced back.
-    q, do = _pad_seq(q, 8), _pad_seq(do, 8)
-    k, v = _pad_seq(k, 8), _pad_seq(v, 8)
+    q, do = pad_seq(q, 8), pad_seq(do, 8)
+    k, v = pad_seq(k, 8), pad_seq(v, 8)
     interpret = plgpu.InterpretGPUParams() if spec.interpret else None
     compiler = plgpu.CompilerParams(approx_math=True)
 

@@ -2,9 +2,77 @@
 
 from __future__ import annotations
 
+import jax.numpy as jnp
 from jax import lax
 
+from pallas_flash.config import HOPPER_SHARED_MEMORY
 from pallas_flash.masking import with_segment_range
+from pallas_flash.spec import AttentionSpec
+from pallas_flash.stats import LOG2E
+
+SMEM_LIMIT = HOPPER_SHARED_MEMORY   # bytes of shared memory per CTA on an H100/H200
+SUPPORTED_HEAD_DIMS = (64, 128, 256)
+SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+def unsupported_operands(which: str, q, k, v):
+    """Why the Mosaic `which` pass ("forward", "backward") cannot take these operands (dtype,
+    head_dim, head counts), or None."""
+    q_heads, head_dim = q.shape[2:]
+    kv_heads = k.shape[2]
+    if jnp.dtype(q.dtype) not in SUPPORTED_DTYPES:
+        return f"mosaic {which}: dtype {jnp.dtype(q.dtype).name} (only bfloat16 and float16)"
+    if not (q.dtype == k.dtype == v.dtype):
+        return f"mosaic {which}: q, k and v must share one dtype"
+    if head_dim not in SUPPORTED_HEAD_DIMS or v.shape[-1] != head_dim:
+        return f"mosaic {which}: head_dim {head_dim} (only {SUPPORTED_HEAD_DIMS})"
+    if q_heads % kv_heads:
+        return f"mosaic {which}: q_heads {q_heads} not a multiple of kv_heads {kv_heads}"
+    return None
+
+
+def exp2_tanh(x):
+    """tanh(x) as 1 - 2 / (2^(2 x log2 e) + 1).
+
+    Under approx_math (on in these kernels, for exp2) a plain tanh lowers to tanh.approx.f32,
+    ~2^-11 off: times a softcap of 20-50 that is a logit error near 1e-2, and the m and r one
+    pass saves would no longer match the P another pass recomputes with an exact tanh. This form
+    needs only ex2.approx (a few ulps) and a division, saturates cleanly to +-1 (2 / inf = 0)
+    and keeps NaN. Its relative error near 0 is larger, but the softmax only sees absolute
+    differences of u, so the absolute error is what counts.
+    """
+    return 1.0 - 2.0 / (jnp.exp2(x * (2.0 * LOG2E)) + 1.0)
+
+
+def logit_units(spec: AttentionSpec, s):
+    """(u, t): a tile's raw q.k products in logit units (stats.py) and, with a softcap,
+    t = tanh(s * scale / softcap) for the chain rule (dS_raw = dS * (1 - t^2)); else t None."""
+    if spec.softcap is None:
+        return s, None
+    t = exp2_tanh(s * (spec.scale / spec.softcap))
+    return t, t
+
+
+def clamp_range(bounds, lo_limit, hi_limit):
+    """(lo, full_lo, full_hi, hi), each clipped into [lo_limit, hi_limit]; the order is kept.
+
+    A warpgroup's own range must lie inside what the copy warpgroup streams for the CTA, so
+    that its drain / compute / drain loops consume every streamed block exactly once.
+    """
+    return tuple(jnp.clip(b, lo_limit, hi_limit) for b in bounds)
+
+
+def pad_seq(x, multiple: int, axis: int = 1, value=0):
+    """x padded along `axis` to a multiple of `multiple` (no copy when it already is one).
+
+    Mosaic GPU splits the sequence axis into 8-row tiles, so lengths are padded to a multiple
+    of 8; the kernels bound everything by the true lengths."""
+    extra = -x.shape[axis] % multiple
+    if not extra:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, extra)
+    return jnp.pad(x, widths, constant_values=value)
 
 
 def narrowed(bounds, seg_ref, batch, block):

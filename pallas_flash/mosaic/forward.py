@@ -72,7 +72,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -81,7 +80,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_flash.masking import PAD_KEY_ID, PAD_QUERY_ID, segment_block_ranges
-from pallas_flash.mosaic.common import grid_position, narrowed, streamed_range
+from pallas_flash.mosaic.common import (SMEM_LIMIT, clamp_range, grid_position, logit_units,
+                                       narrowed, pad_seq, streamed_range,
+                                       unsupported_operands)
 from pallas_flash.spec import AttentionSpec
 from pallas_flash.stats import LOG2E, RowStats, logit_scale
 
@@ -91,8 +92,6 @@ __all__ = ["KERNEL_NAME", "MosaicForwardConfig", "default_forward_config", "forw
 KERNEL_NAME = "pallas_flash_mosaic_fwd"
 COMPUTE_WGS = 2  # compute warpgroups per CTA; one more warpgroup issues the copies
 F16_MAX = 65504.0
-_SUPPORTED_HEAD_DIMS = (64, 128, 256)
-_SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,43 +139,19 @@ def default_forward_config(head_dim: int) -> MosaicForwardConfig:
 def unsupported_reason(spec: AttentionSpec, q, k, v, config: MosaicForwardConfig | None = None):
     """Why this draft kernel cannot take the call, or None if it can."""
     del spec  # every mask, softcap and segment option is served
-    q_heads, head_dim = q.shape[2:]
-    kv_heads = k.shape[2]
+    reason = unsupported_operands("forward", q, k, v)
+    if reason is not None:
+        return reason
+    head_dim = q.shape[-1]
     cfg = config or default_forward_config(head_dim)
-    if jnp.dtype(q.dtype) not in _SUPPORTED_DTYPES:
-        return f"mosaic forward: dtype {jnp.dtype(q.dtype).name} (only bfloat16 and float16)"
-    if not (q.dtype == k.dtype == v.dtype):
-        return "mosaic forward: q, k and v must share one dtype"
-    if head_dim not in _SUPPORTED_HEAD_DIMS or v.shape[-1] != head_dim:
-        return f"mosaic forward: head_dim {head_dim} (only {_SUPPORTED_HEAD_DIMS})"
-    if q_heads % kv_heads:
-        return f"mosaic forward: q_heads {q_heads} not a multiple of kv_heads {kv_heads}"
-    if cfg.smem_bytes(head_dim) > 227 * 1024:
+    if cfg.smem_bytes(head_dim) > SMEM_LIMIT:
         return (f"mosaic forward: config {cfg} needs {cfg.smem_bytes(head_dim)} bytes of shared "
-                "memory at this head_dim (limit 227 KiB)")
+                f"memory at this head_dim (limit {SMEM_LIMIT})")
     return None
 
 
 def _bcast_rows(x, shape):
     return lax.broadcast_in_dim(x, shape, [0])
-
-
-def _tanh(x):
-    """tanh through exp2, accurate to a few float32 ulps of 1 in absolute terms.
-
-    Under approx_math (on for this kernel, for exp2) a plain tanh lowers to tanh.approx.f32,
-    whose ~2^-11 error, times the softcap, would be a logit error near 1e-2 at softcap 30, and
-    the stored m would no longer match the exact tanh the Triton backward recomputes P from.
-    1 - 2 / (2^(2x log2 e) + 1) needs only ex2.approx (~2 ulp) and a division; it saturates to
-    +-1 cleanly (2 / inf = 0, 2 / 1 = 2) and keeps NaN. Its relative error near 0 is larger,
-    but the softmax only sees absolute differences of u, so the absolute error is what counts.
-    """
-    return 1.0 - 2.0 / (jnp.exp2(x * (2.0 * LOG2E)) + 1.0)
-
-
-def _clamp_range(bounds, lo_limit, hi_limit):
-    """(lo, full_lo, full_hi, hi), each clipped into [lo_limit, hi_limit], order kept."""
-    return tuple(jnp.clip(b, lo_limit, hi_limit) for b in bounds)
 
 
 def _kernel(*refs, spec: AttentionSpec, cfg: MosaicForwardConfig, group: int, n_tiles: int,
@@ -243,7 +218,7 @@ def _kernel_body(q_ref, k_ref, v_ref, q_ids_ref, kv_ids_ref, cta_seg_ref, wg_seg
                                layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
         # A warpgroup wholly past seq_q (the second one of a short last tile) computes nothing.
         bounds = tuple(jnp.where(q_start < mask.seq_q, b, cta_lo) for b in bounds)
-        lo, full_lo, full_hi, hi = _clamp_range(bounds, cta_lo, cta_hi)
+        lo, full_lo, full_hi, hi = clamp_range(bounds, cta_lo, cta_hi)
 
         def step(j, carry, masked: bool):
             acc, m, l = carry
@@ -257,9 +232,7 @@ def _kernel_body(q_ref, k_ref, v_ref, q_ids_ref, kv_ids_ref, cta_seg_ref, wg_seg
 
             u = pl.run_scoped(logits, plgpu.ACC((block_q, block_kv), jnp.float32))
             plgpu.barrier_arrive(k_free.at[slot])
-            if spec.softcap is not None:
-                # Logit units with a softcap are tanh(q.k * scale / softcap) (stats.py).
-                u = _tanh(u * (spec.scale / spec.softcap))
+            u, _ = logit_units(spec, u)
             if masked:
                 shape = (block_q, block_kv)
                 rows = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA)
@@ -404,9 +377,9 @@ def forward(spec: AttentionSpec, q, k, v, q_ids=None, kv_ids=None, *,
     # that is not a multiple of 8. Such lengths are zero-padded to the next multiple of 8 here
     # (a copy of the array, only for these lengths); the kernel bounds everything by the true
     # lengths in spec.mask, so the padding is never seen, and O is sliced back.
-    q = _pad_rows(q, 8)
-    k = _pad_rows(k, 8)
-    v = _pad_rows(v, 8)
+    q = pad_seq(q, 8)
+    k = pad_seq(k, 8)
+    v = pad_seq(v, 8)
     n_tiles = pl.cdiv(seq_q, COMPUTE_WGS * cfg.block_q)
     dtype = q.dtype
 
@@ -466,11 +439,3 @@ def _segment_operands(q_ids, kv_ids, cfg: MosaicForwardConfig, n_tiles: int):
     kv_ids = jnp.pad(kv_ids, ((0, 0), (0, n_kv * cfg.block_kv - kv_ids.shape[1])),
                      constant_values=PAD_KEY_ID)
     return [q_ids, kv_ids, cta, wg]
-
-
-def _pad_rows(x, multiple: int):
-    """x [batch, seq, heads, dim] zero-padded along seq to a multiple of `multiple`."""
-    extra = -x.shape[1] % multiple
-    if not extra:
-        return x
-    return jnp.pad(x, ((0, 0), (0, extra), (0, 0), (0, 0)))
