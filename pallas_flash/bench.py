@@ -219,11 +219,19 @@ class NotApplicable(Exception):
     """The implementation cannot express this case; reported as 'n.a.'."""
 
 
-def _pallas_flash(q, k, v, causal, **kw):
-    # Imported here: this module is part of the package, and a lazy import keeps
-    # `pallas_flash/__init__.py` free to import bench without a cycle.
-    import pallas_flash
-    return pallas_flash.flash_attention(q, k, v, causal=causal, **kw)
+def _pallas_flash(backend: str = "auto"):
+    def fn(q, k, v, causal, **kw):
+        # Imported here: this module is part of the package, and a lazy import keeps
+        # `pallas_flash/__init__.py` free to import bench without a cycle.
+        import pallas_flash
+        try:
+            return pallas_flash.flash_attention(q, k, v, causal=causal, backend=backend, **kw)
+        except ValueError as e:
+            # A forced backend that cannot serve the case says so before any launch.
+            if backend != "auto" and "backend" in str(e):
+                raise NotApplicable(str(e).splitlines()[0]) from e
+            raise
+    return fn
 
 
 def _jax_nn(implementation: str):
@@ -268,7 +276,10 @@ def _jax_pallas_triton(q, k, v, causal, **kw):
 
 # name -> fn(q, k, v, causal, **variant_kwargs). Add entries to compare more.
 IMPLS: dict[str, Callable[..., jax.Array]] = {
-    "pallas_flash": _pallas_flash,
+    "pallas_flash": _pallas_flash(),
+    # Each backend forced, to compare them in one run (only when named in --impls).
+    "pallas_flash_triton": _pallas_flash("triton"),
+    "pallas_flash_mosaic": _pallas_flash("mosaic"),
     "cudnn": _jax_nn("cudnn"),
     "xla": _jax_nn("xla"),
     # Only when named in --impls: it has no GQA.
