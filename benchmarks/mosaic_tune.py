@@ -1,0 +1,173 @@
+"""Tile sweep for the Mosaic GPU kernels (sm_90), each kernel timed alone, cuDNN in the same run.
+
+    PYTHONPATH=. python3 benchmarks/mosaic_tune.py --head-dims 128 --passes fwd,bwd --out DIR
+
+For each head_dim, at the benchmark's shape for it (batch 2, seq 8192; 16 heads at head_dim 128,
+32 at 64, 8 at 256), bf16, causal and not, it times
+  - the Mosaic forward (`pallas_flash.mosaic.forward.forward`) for every candidate
+    MosaicForwardConfig that fits shared memory, and cuDNN's forward;
+  - the Mosaic backward alone (O and row statistics precomputed by the Triton forward) for every
+    candidate MosaicBackwardConfig, and cuDNN's backward (its vjp, residuals precomputed).
+Timing: one call to compile, then the best of 3 averages of --iters back-to-back calls, device
+synchronised. TFLOP/s use the benchmark's count (forward 4*B*H*S^2*D, halved for causal;
+backward 2.5x). Every row is printed as it completes and the JSON (<out>/mosaic_tune_<dims>.json)
+is rewritten after each, so a run cut by its time limit keeps what it measured. A config that
+fails to compile or run is a row with its error, not the end of the run. The winners become the
+defaults in pallas_flash/mosaic/{forward,backward}.py, with the numbers in benchmarks/NOTES.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import os
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from jax import lax  # noqa: E402
+
+import pallas_flash as pf  # noqa: E402
+from pallas_flash.masking import make_mask_spec  # noqa: E402
+from pallas_flash.mosaic import backward as mb  # noqa: E402
+from pallas_flash.mosaic import forward as mf  # noqa: E402
+from pallas_flash.mosaic.common import SMEM_LIMIT  # noqa: E402
+from pallas_flash.spec import AttentionSpec  # noqa: E402
+from pallas_flash.triton import forward as tf  # noqa: E402
+
+HEADS = {64: 32, 128: 16, 256: 8}
+
+
+def forward_candidates(head_dim: int) -> list[mf.MosaicForwardConfig]:
+    kvs = {64: (128, 256), 128: (64, 128, 192), 256: (64, 128)}[head_dim]
+    stage_counts = (2, 3) if head_dim == 64 else (2, 3, 4)
+    out = []
+    for block_kv, stages, pingpong in itertools.product(kvs, stage_counts, (True, False)):
+        cfg = mf.MosaicForwardConfig(block_q=64, block_kv=block_kv, stages=stages,
+                                     pingpong=pingpong)
+        if cfg.smem_bytes(head_dim) <= SMEM_LIMIT:
+            out.append(cfg)
+    return out
+
+
+def backward_candidates(head_dim: int) -> list[mb.MosaicBackwardConfig]:
+    out = []
+    wgs = (1,) if head_dim > 128 else (1, 2)
+    stage_counts = (2,) if head_dim == 64 else (2, 3)
+    for bq, bkv, stages, dq_wgs in itertools.product((64, 128), (64, 128), stage_counts, wgs):
+        cfg = mb.MosaicBackwardConfig(dkdv_block_q=bq, dq_block_kv=bkv, dkdv_stages=stages,
+                                      dq_stages=stages, dq_compute_wgs=dq_wgs)
+        if max(cfg.dkdv_smem_bytes(head_dim), cfg.dq_smem_bytes(head_dim)) <= SMEM_LIMIT:
+            out.append(cfg)
+    return out
+
+
+def timed(fn, args, iters: int) -> tuple[float, float]:
+    """(first call in s, best mean time of one call in s)."""
+    t0 = time.monotonic()
+    jax.block_until_ready(fn(*args))
+    first = time.monotonic() - t0
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            res = fn(*args)
+        jax.block_until_ready(res)
+        best = min(best, (time.perf_counter() - t0) / iters)
+    return first, best
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--head-dims", default="64,128,256")
+    p.add_argument("--passes", default="fwd,bwd")
+    p.add_argument("--causal", default="0,1", help="comma list of 0/1")
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--seq", type=int, default=8192)
+    p.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = p.parse_args()
+    dims = [int(x) for x in args.head_dims.split(",")]
+    passes = args.passes.split(",")
+    path = os.path.join(args.out, f"mosaic_tune_{'_'.join(map(str, dims))}.json")
+    dev = jax.devices()[0]
+    record = {"device": dev.device_kind, "jax": jax.__version__,
+              "date": time.strftime("%Y-%m-%dT%H:%M:%S"), "rows": []}
+
+    def emit(**row):
+        record["rows"].append(row)
+        print(" ".join(f"{k}={v}" for k, v in row.items()), flush=True)
+        with open(path, "w") as f:
+            json.dump(record, f, indent=1)
+
+    for d in dims:
+        b, s, h = 2, args.seq, HEADS[d]
+        ks = jax.random.split(jax.random.key(d), 4)
+        q, k, v, do = (jax.random.normal(kk, (b, s, h, d), jnp.float32).astype(jnp.bfloat16)
+                       for kk in ks)
+        dlse = jnp.zeros((b, h, s), jnp.float32)
+        for causal in (bool(int(c)) for c in args.causal.split(",")):
+            fwd_flops = 4 * b * h * s * s * d / (2 if causal else 1)
+            spec = AttentionSpec(mask=make_mask_spec(s, s, causal=causal),
+                                 scale=1.0 / math.sqrt(d), softcap=None, has_segments=False,
+                                 precision=lax.Precision.DEFAULT,
+                                 config=pf.default_config(d, jnp.bfloat16), interpret=False)
+            base = dict(head_dim=d, causal=causal, shape=f"{b}x{s}x{h}x{h}x{d}")
+
+            def run(pass_, impl, build, flops, **extra):
+                try:
+                    fn, fargs = build()
+                    first, t = timed(fn, fargs, args.iters)
+                    emit(**base, pass_=pass_, impl=impl, **extra, ms=round(t * 1e3, 4),
+                         tflops=round(flops / t / 1e12, 1), first_s=round(first, 1))
+                except Exception as e:  # noqa: BLE001 - a failing config is a result row
+                    msg = " | ".join(str(e).strip().splitlines()[:2])[:300]
+                    emit(**base, pass_=pass_, impl=impl, **extra,
+                         error=f"{type(e).__name__}: {msg}")
+
+            if "fwd" in passes:
+                run("fwd", "cudnn", lambda: (jax.jit(lambda q, k, v: jax.nn.dot_product_attention(
+                    q, k, v, is_causal=causal, implementation="cudnn")), (q, k, v)), fwd_flops)
+                for cfg in forward_candidates(d):
+                    run("fwd", "mosaic", lambda cfg=cfg: (jax.jit(
+                        lambda q, k, v: mf.forward(spec, q, k, v, config=cfg)), (q, k, v)),
+                        fwd_flops, config=repr(cfg))
+            if "bwd" in passes:
+                out, st = jax.block_until_ready(
+                    jax.jit(lambda q, k, v: tf.forward(spec, q, k, v))(q, k, v))
+
+                def cudnn_bwd():
+                    _, vjp = jax.vjp(lambda q, k, v: jax.nn.dot_product_attention(
+                        q, k, v, is_causal=causal, implementation="cudnn"), q, k, v)
+                    return jax.jit(lambda vjp, do: vjp(do)), (vjp, do)
+
+                run("bwd", "cudnn", cudnn_bwd, 2.5 * fwd_flops)
+                for cfg in backward_candidates(d):
+                    run("bwd", "mosaic", lambda cfg=cfg: (jax.jit(
+                        lambda *a: mb.backward(spec, *a, config=cfg)),
+                        (q, k, v, out, st, do, dlse)), 2.5 * fwd_flops, config=repr(cfg))
+    # The best Mosaic config per (head_dim, causal, pass), as a summary.
+    best = {}
+    for r in record["rows"]:
+        if r["impl"] == "mosaic" and "tflops" in r:
+            key = (r["head_dim"], r["causal"], r["pass_"])
+            if key not in best or r["tflops"] > best[key]["tflops"]:
+                best[key] = r
+    cud = {(r["head_dim"], r["causal"], r["pass_"]): r.get("tflops")
+           for r in record["rows"] if r["impl"] == "cudnn"}
+    print("\nbest per case:")
+    for key, r in sorted(best.items()):
+        c = cud.get(key)
+        ratio = f"{r['tflops'] / c:.2f}" if c else "-"
+        print(f"  d{key[0]} {'causal' if key[1] else 'full  '} {key[2]}: {r['tflops']} TFLOP/s "
+              f"(cuDNN {c}, x{ratio}) {r['config']}")
+
+
+if __name__ == "__main__":
+    main()
