@@ -22,7 +22,7 @@ from jax.ad_checkpoint import checkpoint_name
 # train step) would then be traced and compiled twice. Importing it here, up front, avoids that.
 import jax.experimental.pallas.fuser  # noqa: E402,F401  pylint: disable=unused-import
 
-from pallas_flash import stats, validation
+from pallas_flash import guarded, stats, validation
 from pallas_flash.config import (FlashConfig, check_shared_memory, default_config,
                                  shared_memory_limit)
 from pallas_flash.masking import CausalAlignment, fold_lengths, make_mask_spec
@@ -41,9 +41,11 @@ OUT_NAME = "pallas_flash_out"
 LSE_NAME = "pallas_flash_lse"
 
 _BACKENDS = ("auto", "triton", "mosaic")
-# Kernel modules by backend; looked up when a call is traced (tests swap them out).
-_FORWARDS = {"triton": triton_forward, "mosaic": mosaic_forward}
-_BACKWARDS = {"triton": triton_backward, "mosaic": mosaic_backward}
+# Kernel modules by backend; looked up when a call is traced (tests swap them out). "guarded" is
+# the Mosaic kernels behind a finiteness check that falls back to Triton (guarded.py says why):
+# what "auto" runs on an sm_90 GPU.
+_FORWARDS = {"triton": triton_forward, "mosaic": mosaic_forward, "guarded": guarded}
+_BACKWARDS = {"triton": triton_backward, "mosaic": mosaic_backward, "guarded": guarded}
 _PRECISIONS = {
     None: lax.Precision.DEFAULT,
     "default": lax.Precision.DEFAULT,
@@ -99,13 +101,17 @@ def flash_attention(
         gradient, padded keys are never seen.
       precision: matmul precision for float32 inputs: None/"default" lets the GPU use tf32 (as
         XLA does), "highest" asks for full float32.
-      config: a `FlashConfig` of tiles; default chosen by head_dim and dtype.
-      backend: "auto", "triton" or "mosaic". "mosaic" runs the forward pass with the Pallas
-        Mosaic GPU kernels for Hopper (sm_90), and the backward with them too where the Mosaic
-        backward serves the call, else with the Triton kernels: all backends keep the same row
-        statistics. It raises a
-        ValueError for a call its forward cannot serve. "auto" picks "triton" for now: the
-        Mosaic kernels are drafts that have not yet passed the compiled suite on an H100/H200.
+      config: a `FlashConfig` of Triton tiles; default chosen by head_dim and dtype. Given
+        explicitly, "auto" runs the Triton kernels with it.
+      backend: "auto", "triton" or "mosaic". "mosaic" runs the Pallas Mosaic GPU kernels for
+        Hopper (sm_90): bfloat16 / float16, head_dim 64, 128 or 256, every mask and option. It
+        raises a ValueError for a call it cannot serve (or on another GPU). "triton" runs the
+        Triton-lowered kernels: any GPU, dtype and head_dim. "auto" (default) runs the Mosaic
+        kernels on an sm_90 GPU when they serve the call and `config` is not given, behind a
+        finiteness check that sends a call with a NaN or inf operand to the Triton kernels
+        (they confine it to the rows that depend on it; see pallas_flash/guarded.py), and the
+        Triton kernels otherwise. Every backend saves the same row statistics, so results
+        agree to rounding.
       interpret: run in Pallas interpret mode; default: True exactly when JAX has no GPU.
 
     Returns:
@@ -123,6 +129,7 @@ def flash_attention(
                                                   interpret=interpret)
     if backend not in _BACKENDS:
         raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
+    explicit_config = config is not None
     batch, seq_q = q.shape[:2]
     seq_kv = k.shape[1]
     has_segments = q_segment_ids is not None or q_lengths is not None or kv_lengths is not None
@@ -140,27 +147,43 @@ def flash_attention(
     if has_segments:
         q_ids, kv_ids = fold_lengths(q_segment_ids, kv_segment_ids, q_lengths, kv_lengths,
                                      batch=batch, seq_q=seq_q, seq_kv=seq_kv)
-    backends = _choose_backends(backend, spec, q, k, v)
+    backends = _choose_backends(backend, spec, q, k, v, explicit_config=explicit_config)
     out, lse = _custom_vjp_attention(spec, *backends)(q, k, v, q_ids, kv_ids)
     return (out, lse) if return_lse else out
 
 
-def _choose_backends(backend: str, spec: AttentionSpec, q, k, v) -> tuple[str, str]:
+def _choose_backends(backend: str, spec: AttentionSpec, q, k, v, *,
+                     explicit_config: bool = False) -> tuple[str, str]:
     """(forward backend, backward backend), decided here and nowhere else; ValueError if a
-    forced backend cannot serve the call."""
-    if backend in ("auto", "triton"):
+    forced backend cannot serve the call. "auto" never raises: Triton serves everything."""
+    if backend == "triton":
         return "triton", "triton"
-    if not spec.interpret:
-        cc = str(getattr(jax.devices()[0], "compute_capability", "none"))
-        if cc != "9.0":
-            raise ValueError(f"backend='mosaic' needs an sm_90 GPU (H100, H200) or "
-                             f"interpret=True; this device has compute capability {cc}")
+    if backend == "auto":
+        # Interpret mode stays on Triton: the Mosaic interpreter is far slower, and a CPU has no
+        # Mosaic speed to gain. A FlashConfig names Triton tiles, so it asks for Triton.
+        if (spec.interpret or explicit_config or not _is_sm90()
+                or mosaic_forward.unsupported_reason(spec, q, k, v) is not None):
+            return "triton", "triton"
+        served = mosaic_backward.unsupported_reason(spec, q, k, v) is None
+        return "guarded", "guarded" if served else "triton"
+    if not spec.interpret and not _is_sm90():
+        raise ValueError(f"backend='mosaic' needs an sm_90 GPU (H100, H200) or "
+                         f"interpret=True; this device has compute capability {_capability()}")
     reason = mosaic_forward.unsupported_reason(spec, q, k, v)
     if reason is not None:
         raise ValueError(f"backend='mosaic' cannot serve this call ({reason}); "
                          f"backend='auto' or 'triton' can")
     backward = "mosaic" if mosaic_backward.unsupported_reason(spec, q, k, v) is None else "triton"
     return "mosaic", backward
+
+
+def _capability() -> str:
+    return str(getattr(jax.devices()[0], "compute_capability", "none"))
+
+
+def _is_sm90() -> bool:
+    """The Mosaic kernels use wgmma and TMA: Hopper (compute capability 9.0) only."""
+    return jax.default_backend() == "gpu" and _capability() == "9.0"
 
 
 def kernel_options(q, *, precision, config, interpret):

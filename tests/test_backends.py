@@ -1,6 +1,8 @@
-"""Backend dispatch: "auto" and "triton" run the Triton kernels; "mosaic" runs the Mosaic GPU
-forward, and the Mosaic GPU backward where it serves the call, else the Triton backward; any
-forward's row statistics feed any backward.
+"""Backend dispatch: "triton" runs the Triton kernels; "mosaic" runs the Mosaic GPU forward, and
+the Mosaic GPU backward where it serves the call, else the Triton backward; "auto" runs the
+Mosaic kernels behind a finiteness check (pallas_flash/guarded.py) on an sm_90 GPU when they
+serve the call, the Triton kernels otherwise (always in interpret mode); any forward's row
+statistics feed any backward.
 
 On the CPU the Mosaic kernel runs in Mosaic GPU's interpret mode (slow: the shapes are the
 smallest it takes, 128 query rows); on an H100/H200 it runs compiled.
@@ -51,11 +53,80 @@ def test_mosaic_against_triton_and_reference():
         assert_close(name, got, want, tol, floor=1.0 if "lse" in name else 0.0)
 
 
-def test_auto_and_triton_stage_the_triton_kernels():
+def test_triton_and_auto_stage_their_kernels():
     q, k, v, _ = random_inputs(jax.random.PRNGKey(83), *SHAPE, jnp.bfloat16)
-    for backend in ("auto", "triton"):
-        names = kernel_names(lambda q: pf.flash_attention(q, k, v, backend=backend), q)
-        assert names == {"pallas_flash_fwd"}, (backend, names)
+    names = kernel_names(lambda q: pf.flash_attention(q, k, v, backend="triton"), q)
+    assert names == {"pallas_flash_fwd"}, names
+    # auto: on an H100/H200 both forwards are staged (a lax.cond picks one at run time);
+    # elsewhere, and in interpret mode, Triton alone.
+    names = kernel_names(lambda q: pf.flash_attention(q, k, v), q)
+    want = {"pallas_flash_fwd", "pallas_flash_mosaic_fwd"} if IS_HOPPER else {"pallas_flash_fwd"}
+    assert names == want, names
+
+
+def _spec(seq_q, seq_kv, head_dim, dtype, *, causal=False, interpret=False):
+    return AttentionSpec(mask=make_mask_spec(seq_q, seq_kv, causal=causal),
+                         scale=head_dim ** -0.5, softcap=None, has_segments=False,
+                         precision=lax.Precision.DEFAULT,
+                         config=pf.default_config(head_dim, dtype), interpret=interpret)
+
+
+@pytest.mark.parametrize("sm90", [True, False], ids=["sm90", "other_gpu"])
+def test_auto_choice(monkeypatch, sm90):
+    # The decision alone (no launch), as on a compiled GPU of each kind.
+    monkeypatch.setattr(attention, "_is_sm90", lambda: sm90)
+
+    def choice(shape=(1, 128, 128, 4, 2, 64), dtype=jnp.bfloat16, interpret=False, **kw):
+        q, k, v, _ = random_inputs(jax.random.PRNGKey(88), *shape, dtype)
+        spec = _spec(shape[1], shape[2], shape[-1], dtype, interpret=interpret)
+        return attention._choose_backends("auto", spec, q, k, v, **kw)
+
+    mosaic = ("guarded", "guarded") if sm90 else ("triton", "triton")
+    assert choice() == mosaic
+    assert choice(shape=(1, 100, 37, 8, 1, 256), dtype=jnp.float16) == mosaic
+    # Cases the Mosaic kernels do not take, explicit Triton tiles, and interpret mode: Triton.
+    assert choice(dtype=jnp.float32) == ("triton", "triton")
+    assert choice(shape=(1, 128, 128, 4, 2, 80)) == ("triton", "triton")
+    assert choice(explicit_config=True) == ("triton", "triton")
+    assert choice(interpret=True) == ("triton", "triton")
+    if not sm90:
+        q, k, v, _ = random_inputs(jax.random.PRNGKey(88), *SHAPE, jnp.bfloat16)
+        with pytest.raises(ValueError, match=r"backend='mosaic' needs an sm_90 GPU"):
+            attention._choose_backends("mosaic", _spec(128, 128, 64, jnp.bfloat16), q, k, v)
+
+
+@needs_mosaic
+@pytest.mark.parametrize("which", ["v", "q", "do"])
+def test_guarded_backend_confines_nonfinite_inputs_like_triton(which):
+    # The "auto" backend of an sm_90 GPU, run as a whole (forward and backward) on any machine.
+    # A NaN at one position that half of the rows do not see (causal: query 40 and key 40
+    # are seen only by rows / keys on one side of the diagonal): the guarded backend must give
+    # exactly Triton's NaN pattern (the rows that depend on it) and Triton's values elsewhere;
+    # with finite inputs it must give exactly the Mosaic kernels' result.
+    q, k, v, do = random_inputs(jax.random.PRNGKey(89), *SHAPE, jnp.bfloat16)
+    spec = _spec(128, 128, 64, jnp.bfloat16, causal=True, interpret=not ON_GPU)
+
+    def run(backend, q, k, v, do):
+        fn = attention._custom_vjp_attention(spec, backend, backend)
+        (out, lse), vjp = jax.vjp(lambda q, k, v: fn(q, k, v, None, None), q, k, v)
+        dlse = jax.random.normal(jax.random.PRNGKey(90), lse.shape)
+        return [np.asarray(x, np.float32) for x in (out, lse, *vjp((do, dlse)))]
+
+    for got, want in zip(run("guarded", q, k, v, do), run("mosaic", q, k, v, do)):
+        np.testing.assert_array_equal(got, want)
+    poisoned = dict(q=q, k=k, v=v, do=do)
+    poisoned[which] = poisoned[which].at[0, 40, 0, 3].set(jnp.nan)
+    args = [poisoned[n] for n in ("q", "k", "v", "do")]
+    names = ("out", "lse", "dq", "dk", "dv")
+    tol = TOLERANCE[jnp.dtype(jnp.bfloat16)]
+    guarded, triton = run("guarded", *args), run("triton", *args)
+    for name, got, want in zip(names, guarded, triton):
+        np.testing.assert_array_equal(np.isnan(got), np.isnan(want), err_msg=name)
+        keep = ~np.isnan(want)
+        assert_close(name, np.where(keep, got, 0), np.where(keep, want, 0), tol)
+    # Not vacuous: the NaN reached some results, and the rows before the diagonal are clean.
+    assert any(np.isnan(x).any() for x in triton)
+    assert np.isfinite(triton[0][0, :40]).all()
 
 
 @needs_mosaic

@@ -78,7 +78,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_flash.masking import PAD_KEY_ID, PAD_QUERY_ID, segment_block_ranges
-from pallas_flash.mosaic.common import (SMEM_LIMIT, clamp_range, grid_position, logit_units,
+from pallas_flash.mosaic.common import (SMEM_LIMIT, SMEM_RESERVED, clamp_range, grid_position, logit_units,
                                        narrowed, pad_seq, streamed_range,
                                        unsupported_operands)
 from pallas_flash.spec import AttentionSpec
@@ -152,20 +152,29 @@ class MosaicBackwardConfig:
         kv = 2 * self.dkdv_block_kv(head_dim) * head_dim * itemsize
         stream = self.dkdv_stages * (2 * self.dkdv_block_q * head_dim * itemsize
                                      + 3 * self.dkdv_block_q * 4)
-        return kv + stream
+        return kv + stream + SMEM_RESERVED
 
     def dq_smem_bytes(self, head_dim: int, itemsize: int = 2) -> int:
         rows = self.dq_block_q()
         own = 2 * rows * head_dim * itemsize + 3 * rows * 4
         stream = self.dq_stages * 2 * self.dq_block_kv * head_dim * itemsize
-        return own + stream
+        return own + stream + SMEM_RESERVED
 
 
 def default_backward_config(head_dim: int) -> MosaicBackwardConfig:
-    """Untuned first guesses that fit 227 KiB of shared memory and 232 registers per thread."""
+    """Tiles from the sweep of benchmarks/mosaic_tune.py on the H200 (NOTES.md, run 11; batch 2,
+    seq 8192, bf16, backward kernels alone), TFLOP/s non-causal / causal:
+      head_dim 64:  dK/dV block_q 128, dQ block_kv 64, 2 stages, 2 dQ warpgroups  327 / 331
+                    (block_q 64, block_kv 128: 309 / 300; one dQ warpgroup: 268 / 269)
+      head_dim 128: block_q 64, block_kv 64, 3 stages, 2 dQ warpgroups  432 / 427
+                    (2 stages: 427 / 426; dK/dV block_q 128: 306 / 317)
+      head_dim 256: block_q 64, block_kv 64, 2 stages, 1 dQ warpgroup  335 / 317 (two dQ
+                    warpgroups would need 256 KiB of shared memory)
+    """
+    if head_dim <= 64:
+        return MosaicBackwardConfig(dkdv_block_q=128, dq_block_kv=64)
     if head_dim <= 128:
-        return MosaicBackwardConfig(dkdv_block_q=64, dq_block_kv=128 if head_dim <= 64 else 64)
-    # head_dim 256: dQ with one compute warpgroup (two would need 256 KiB of shared memory).
+        return MosaicBackwardConfig(dkdv_block_q=64, dq_block_kv=64, dkdv_stages=3, dq_stages=3)
     return MosaicBackwardConfig(dkdv_block_q=64, dq_block_kv=64, dq_compute_wgs=1)
 
 

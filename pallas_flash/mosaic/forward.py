@@ -80,7 +80,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_flash.masking import PAD_KEY_ID, PAD_QUERY_ID, segment_block_ranges
-from pallas_flash.mosaic.common import (SMEM_LIMIT, clamp_range, grid_position, logit_units,
+from pallas_flash.mosaic.common import (SMEM_LIMIT, SMEM_RESERVED, clamp_range, grid_position, logit_units,
                                        narrowed, pad_seq, streamed_range,
                                        unsupported_operands)
 from pallas_flash.spec import AttentionSpec
@@ -126,11 +126,19 @@ class MosaicForwardConfig:
         q = COMPUTE_WGS * self.block_q * head_dim * itemsize
         kv = 2 * self.stages * self.block_kv * head_dim * itemsize
         stats = 2 * COMPUTE_WGS * self.block_q * 4
-        return q + kv + stats
+        return q + kv + stats + SMEM_RESERVED
 
 
 def default_forward_config(head_dim: int) -> MosaicForwardConfig:
-    """Untuned first guesses that fit the 227 KiB of shared memory of an H100/H200."""
+    """Tiles from the sweep of benchmarks/mosaic_tune.py on the H200 (NOTES.md, run 11; batch 2,
+    seq 8192, bf16, kernel alone), TFLOP/s non-causal / causal:
+      head_dim 64:  block_kv 256, 2 stages, ping-pong  421 / 390 (block_kv 128: 382 / 362)
+      head_dim 128: block_kv 128, 2 stages, ping-pong  600 / 586 (block_kv 64: 519 / 499;
+                    no ping-pong: 547 / 546; 3 stages or block_kv 192 exceed shared memory)
+      head_dim 256: block_kv 64, 2 stages, ping-pong   657 / 621 (no ping-pong: 640 / 631)
+    """
+    if head_dim <= 64:
+        return MosaicForwardConfig(block_q=64, block_kv=256, stages=2)
     if head_dim <= 128:
         return MosaicForwardConfig(block_q=64, block_kv=128, stages=2)
     return MosaicForwardConfig(block_q=64, block_kv=64, stages=2)

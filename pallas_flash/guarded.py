@@ -1,0 +1,60 @@
+"""The Mosaic GPU kernels behind a finiteness check, with the Triton kernels as the fallback.
+
+This is what ``backend="auto"`` runs on an sm_90 GPU. It has the forward / backward contract of
+the kernel modules (`triton.forward.forward`, `triton.backward.backward`), so attention.py treats
+it as one more backend.
+
+Why a check: the Triton kernels confine a NaN or inf input to exactly the rows (and gradient
+rows) that depend on it, also when it sits at a position a row does not see (a future key, a
+padded key, another document): they zero non-finite operands on masked tiles and mark the rows
+that really see them (issue 7's contract). The Mosaic kernels are built for speed and skip that
+work: their products run on the tensor cores straight from shared memory, where a masked-out
+entry still meets its operand as 0 * inf = NaN. In the forward pass only V can leak that way (a
+non-finite q or k entry lands in S, which every mask overwrites); in the backward pass any of q,
+k, v and dO can. So when those operands are all finite, which is every healthy training step,
+the Mosaic kernels run; otherwise the Triton kernels do, and give the exact per-row NaNs.
+
+Cost: one read of V in the forward pass and of q, k, v, dO in the backward pass, reduced to one
+flag by XLA before the kernel, and a `lax.cond` between two compiled kernels (both are compiled;
+one runs). The benchmark shows it as the gap between its `pallas_flash` (auto) and
+`pallas_flash_mosaic` (forced, unchecked) rows. ``backend="mosaic"`` skips the check.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax import lax
+
+from pallas_flash.mosaic import backward as mosaic_backward
+from pallas_flash.mosaic import forward as mosaic_forward
+from pallas_flash.spec import AttentionSpec
+from pallas_flash.triton import backward as triton_backward
+from pallas_flash.triton import forward as triton_forward
+
+__all__ = ["all_finite", "backward", "forward"]
+
+
+def all_finite(*arrays) -> jnp.ndarray:
+    """One boolean scalar: every entry of every array is finite."""
+    flags = [jnp.isfinite(x).all() for x in arrays]
+    return flags[0] if len(flags) == 1 else jnp.stack(flags).all()
+
+
+def forward(spec: AttentionSpec, q, k, v, q_ids=None, kv_ids=None):
+    """(O, RowStats): the Mosaic forward when V is finite, else the Triton forward."""
+    return lax.cond(all_finite(v),
+                    lambda *a: mosaic_forward.forward(spec, *a),
+                    lambda *a: triton_forward.forward(spec, *a),
+                    q, k, v, q_ids, kv_ids)
+
+
+def backward(spec: AttentionSpec, q, k, v, out, stats, do, dlse, q_ids=None, kv_ids=None):
+    """(dq, dk, dv): the Mosaic backward when q, k, v and dO are finite, else the Triton one.
+
+    A non-finite O or row statistic follows from a non-finite q, k or v (O is a convex combination
+    of v), so those are not checked separately; dlse enters one row's D and stays in that row.
+    """
+    return lax.cond(all_finite(q, k, v, do),
+                    lambda *a: mosaic_backward.backward(spec, *a),
+                    lambda *a: triton_backward.backward(spec, *a),
+                    q, k, v, out, stats, do, dlse, q_ids, kv_ids)
