@@ -125,11 +125,11 @@ def flash_attention(
     )
     if not isinstance(return_lse, (bool,)):
         raise ValueError(f"return_lse must be a bool, got {return_lse!r}")
+    explicit_config = config is not None  # before kernel_options fills in the default
     precision, config, interpret = kernel_options(q, precision=precision, config=config,
                                                   interpret=interpret)
     if backend not in _BACKENDS:
         raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
-    explicit_config = config is not None
     batch, seq_q = q.shape[:2]
     seq_kv = k.shape[1]
     has_segments = q_segment_ids is not None or q_lengths is not None or kv_lengths is not None

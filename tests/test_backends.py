@@ -95,6 +95,23 @@ def test_auto_choice(monkeypatch, sm90):
             attention._choose_backends("mosaic", _spec(128, 128, 64, jnp.bfloat16), q, k, v)
 
 
+def test_auto_is_told_whether_the_caller_chose_tiles(monkeypatch):
+    # flash_attention must pass "was a config given?" as the caller made it, not after the
+    # default is filled in (that once sent every auto call on an H200 to Triton).
+    seen = []
+    real = attention._choose_backends
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("explicit_config"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(attention, "_choose_backends", spy)
+    q, k, v, _ = random_inputs(jax.random.PRNGKey(91), *SHAPE, jnp.bfloat16)
+    pf.flash_attention(q, k, v)
+    pf.flash_attention(q, k, v, config=pf.default_config(64, jnp.bfloat16))
+    assert seen == [False, True]
+
+
 @needs_mosaic
 @pytest.mark.parametrize("which", ["v", "q", "do"])
 def test_guarded_backend_confines_nonfinite_inputs_like_triton(which):
