@@ -5,7 +5,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import pallas_flash as pf
 from helpers import check_against_reference, random_inputs
 from pallas_flash.masking import make_mask_spec, visited_kv_blocks
 

@@ -1,4 +1,4 @@
-"""Backward kernels for Hopper (sm_90), lowered through Pallas Mosaic GPU. DRAFT (issue 4, step 2).
+"""Backward kernels for Hopper (sm_90), lowered through Pallas Mosaic GPU.
 
 Same contract as `pallas_flash.triton.backward.backward`: (dq, dk, dv) in the dtypes and layouts
 of q, k, v, from the forward's row statistics (stats.RowStats: m in logit units, r = log2 of the
@@ -29,7 +29,7 @@ Warpgroup layout. A warpgroup's wgmma M tile is 64 rows. In the dK/dV kernel, wi
 stream. At head_dim 256 two float32 accumulators of 64 x 256 do not fit one warpgroup's
 registers, so both warpgroups own the same 64 key rows and split the *columns* of dK and dV
 (128 each); each recomputes S^T and dP^T (which need the full head_dim), i.e. 6 instead of 4
-matmul units: a known cost of this draft. The dQ kernel: each compute warpgroup owns 64 q rows.
+matmul units: a known cost of this layout. The dQ kernel: each compute warpgroup owns 64 q rows.
 
 Masks (causal, sliding window, alignment offset: masking.MaskSpec; the key bound; segment ids):
 the loop bounds are MaskSpec's, as in the Triton backward: `q_blocks` per key tile for dK/dV
@@ -180,7 +180,7 @@ def default_backward_config(head_dim: int) -> MosaicBackwardConfig:
 
 def unsupported_reason(spec: AttentionSpec, q, k, v,
                        config: MosaicBackwardConfig | None = None):
-    """Why this draft cannot take the call, or None if it can."""
+    """Why these kernels cannot take the call, or None if they can."""
     del spec  # softcap, every mask and segment option is served (see below)
     reason = unsupported_operands("backward", q, k, v)
     if reason is not None:
@@ -655,7 +655,7 @@ def backward(spec: AttentionSpec, q, k, v, out, stats: RowStats, do, dlse, q_ids
     stats: the forward's row statistics; dlse: the cotangent of the public lse (zeros if unused).
     q_ids, kv_ids: int32 segment ids with padding lengths folded in (masking.fold_lengths),
     given exactly when spec.has_segments.
-    Raises NotImplementedError for anything this draft does not serve (`unsupported_reason`).
+    Raises NotImplementedError for anything these kernels do not serve (`unsupported_reason`).
     """
     batch, seq_q, q_heads, head_dim = q.shape
     seq_kv, kv_heads = k.shape[1], k.shape[2]

@@ -1,4 +1,4 @@
-"""Forward kernel for Hopper (sm_90), lowered through Pallas Mosaic GPU. DRAFT (issue 4, step 1).
+"""Forward kernel for Hopper (sm_90), lowered through Pallas Mosaic GPU.
 
 Same contract as `pallas_flash.triton.forward.forward`: O in q's layout and dtype
 [batch, seq_q, q_heads, head_dim], and `stats.RowStats(m, r)`, each float32
@@ -43,12 +43,13 @@ Structure (one CTA = three warpgroups):
   wgmmas. Warpgroup 1 rendezvouses once before its loop, warpgroup 0 once after, and drain steps
   rendezvous too, so both always make 2 * n_steps + 1 rendezvous.
 
-Supported in this draft: bfloat16 and float16, head_dim 64/128/256, any seq_q and seq_kv,
+Supported: bfloat16 and float16, head_dim 64/128/256, any seq_q and seq_kv,
 full, causal (top-left or bottom-right), sliding window, softcap, segment ids and padding
 lengths. Everything else (other dtypes and head_dims) raises NotImplementedError
 (`unsupported_reason` says why without raising), for the dispatcher to route to Triton. Unlike
 the Triton kernel, a non-finite V entry in a *masked-out* position of a visited block is not
-isolated (0 * inf = NaN reaches that row).
+isolated (0 * inf = NaN reaches that row): pallas_flash/guarded.py routes such calls to Triton
+under backend="auto".
 
 CPU testing (jax 0.11.2): Mosaic GPU has a real interpret mode that simulates shared memory,
 barriers, TMA and wgmma on the CPU: `interpret=plgpu.InterpretGPUParams()` on `plgpu.kernel`
@@ -145,7 +146,7 @@ def default_forward_config(head_dim: int) -> MosaicForwardConfig:
 
 
 def unsupported_reason(spec: AttentionSpec, q, k, v, config: MosaicForwardConfig | None = None):
-    """Why this draft kernel cannot take the call, or None if it can."""
+    """Why this kernel cannot take the call, or None if it can."""
     del spec  # every mask, softcap and segment option is served
     reason = unsupported_operands("forward", q, k, v)
     if reason is not None:
@@ -369,7 +370,7 @@ def forward(spec: AttentionSpec, q, k, v, q_ids=None, kv_ids=None, *,
             config: MosaicForwardConfig | None = None):
     """O [batch, seq_q, q_heads, head_dim] and stats.RowStats (each [batch, q_heads, seq_q]).
 
-    Raises NotImplementedError for anything this draft does not serve (`unsupported_reason`).
+    Raises NotImplementedError for anything this kernel does not serve (`unsupported_reason`).
     """
     batch, seq_q, q_heads, head_dim = q.shape
     kv_heads = k.shape[2]
