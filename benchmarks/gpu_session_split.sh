@@ -5,15 +5,7 @@
 # (every implementation of a row is measured in the same process, side by side).
 #   usage: bash benchmarks/gpu_session_split.sh   (env: WORKERS, SUITE_TIMEOUT, SUITE_FILES,
 #          PYTEST_EXTRA, BENCH_TIMEOUT, BENCH_ARGS)
-set -o pipefail
-export PYTHONUNBUFFERED=1 PYTHONPATH=. XLA_PYTHON_CLIENT_PREALLOCATE=false
-OUT=${OUT:-/tmp/out}
-R="$OUT/r"
-mkdir -p "$R"
-nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu,memory.used --format=csv \
-  > "$R/gpu.txt" 2>&1
-MULTI_FILES="tests/test_sharding.py tests/test_sharded_example.py tests/test_scaling_bench.py"
-IGNORE=$(for f in $MULTI_FILES; do printf -- "--ignore=%s " "$f"; done)
+source "$(dirname "$0")/gpu_common.sh"
 
 CUDA_VISIBLE_DEVICES=0 timeout "${SUITE_TIMEOUT:-540}" python3 -m pytest -v --compiled \
   -p no:cacheprovider -n "${WORKERS:-24}" ${PYTEST_EXTRA:-} $IGNORE ${SUITE_FILES:-tests} \

@@ -10,15 +10,7 @@
 # Phase 2, alone on the machine (timings): benchmarks/scaling.py (1 GPU against 2), then a short
 # benchmark of our kernels against cuDNN in the same process.
 # Logs go to $OUT; JSON results are packed into one results.tar.gz (the tool returns 8 files).
-set -o pipefail
-export PYTHONUNBUFFERED=1 PYTHONPATH=. XLA_PYTHON_CLIENT_PREALLOCATE=false
-OUT=${OUT:-/tmp/out}
-R="$OUT/r"
-mkdir -p "$R"
-nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu,memory.used --format=csv \
-  > "$R/gpu.txt" 2>&1
-MULTI_FILES="tests/test_sharding.py tests/test_sharded_example.py tests/test_scaling_bench.py"
-IGNORE=$(for f in $MULTI_FILES; do printf -- "--ignore=%s " "$f"; done)
+source "$(dirname "$0")/gpu_common.sh"
 
 PALLAS_FLASH_SPREAD_GPUS=2 timeout "${SUITE_TIMEOUT:-330}" python3 -m pytest -v --compiled \
   -p no:cacheprovider -n "${WORKERS:-26}" ${PYTEST_EXTRA:-} $IGNORE ${SUITE_FILES:-tests} \

@@ -1,0 +1,13 @@
+# Sourced by the gpu_session*.sh scripts: the environment and layout every device call shares.
+# Sets OUT (the tool's folder), R (JSON results, packed into one results.tar.gz at the end: the
+# tool returns at most 8 files), MULTI_FILES (the test files that need several devices) and
+# IGNORE (pytest arguments that leave them out), and records the GPUs' state.
+set -o pipefail
+export PYTHONUNBUFFERED=1 PYTHONPATH=. XLA_PYTHON_CLIENT_PREALLOCATE=false
+OUT=${OUT:-/tmp/out}
+R="$OUT/r"
+mkdir -p "$R"
+nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu,memory.used --format=csv \
+  > "$R/gpu.txt" 2>&1
+MULTI_FILES="tests/test_sharding.py tests/test_sharded_example.py tests/test_scaling_bench.py"
+IGNORE=$(for f in $MULTI_FILES; do printf -- "--ignore=%s " "$f"; done)
