@@ -1,4 +1,4 @@
-"""The draft Mosaic GPU backward (pallas_flash/mosaic/backward.py).
+"""The Mosaic GPU backward (pallas_flash/mosaic/backward.py).
 
 On the CPU both kernels run in Mosaic GPU interpret mode (shared memory, barriers, TMA and wgmma
 simulated; seconds per call, so the shapes are small). dq, dk, dv are compared with the vjp of

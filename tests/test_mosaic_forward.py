@@ -1,4 +1,4 @@
-"""The draft Mosaic GPU forward (pallas_flash/mosaic/forward.py).
+"""The Mosaic GPU forward (pallas_flash/mosaic/forward.py).
 
 On the CPU it runs in Mosaic GPU interpret mode (shared memory, barriers, TMA and wgmma
 simulated; seconds per call, so the shapes are small) and is compared with the reference. On a
