@@ -16,14 +16,16 @@ the Mosaic kernels run; otherwise the Triton kernels do, and give the exact per-
 
 Cost: one read of V in the forward pass and of q, k, v, dO in the backward pass, reduced to one
 flag by XLA before the kernel, and a `lax.cond` between two compiled kernels (both are compiled;
-one runs). The benchmark shows it as the gap between its `pallas_flash` (auto) and
-`pallas_flash_mosaic` (forced, unchecked) rows. ``backend="mosaic"`` skips the check.
+one runs; under jax.vmap one flag covers the whole vmapped batch, see `_checked`). The benchmark
+shows it as the gap between its `pallas_flash` (auto) and `pallas_flash_mosaic` (forced,
+unchecked) rows. ``backend="mosaic"`` skips the check.
 """
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
-from jax import lax
+from jax import custom_batching, lax
 
 from pallas_flash.mosaic import backward as mosaic_backward
 from pallas_flash.mosaic import forward as mosaic_forward
@@ -40,12 +42,36 @@ def all_finite(*arrays) -> jnp.ndarray:
     return flags[0] if len(flags) == 1 else jnp.stack(flags).all()
 
 
+def _checked(check, fast, safe):
+    """A function of *args that runs fast(*args) if check(*args) else safe(*args): one branch
+    only, also under jax.vmap.
+
+    Plain `lax.cond` under vmap gets a per-example flag and becomes a select that runs both
+    kernels on the whole batch. The vmap rule instead takes one flag for the whole vmapped batch
+    and vmaps the chosen kernel: one non-finite example sends the batch to the safe kernels,
+    which are right for every example.
+    """
+
+    @custom_batching.custom_vmap
+    def run(*args):
+        return lax.cond(check(*args), fast, safe, *args)
+
+    @run.def_vmap
+    def _batched(axis_size, in_batched, *args):
+        del axis_size
+        in_axes = tuple(jax.tree.map(lambda b: 0 if b else None, in_batched))
+        out = lax.cond(check(*args), jax.vmap(fast, in_axes=in_axes),
+                       jax.vmap(safe, in_axes=in_axes), *args)
+        return out, jax.tree.map(lambda _: True, out)
+
+    return run
+
+
 def forward(spec: AttentionSpec, q, k, v, q_ids=None, kv_ids=None):
     """(O, RowStats): the Mosaic forward when V is finite, else the Triton forward."""
-    return lax.cond(all_finite(v),
+    return _checked(lambda q, k, v, *_: all_finite(v),
                     lambda *a: mosaic_forward.forward(spec, *a),
-                    lambda *a: triton_forward.forward(spec, *a),
-                    q, k, v, q_ids, kv_ids)
+                    lambda *a: triton_forward.forward(spec, *a))(q, k, v, q_ids, kv_ids)
 
 
 def backward(spec: AttentionSpec, q, k, v, out, stats, do, dlse, q_ids=None, kv_ids=None):
@@ -54,7 +80,7 @@ def backward(spec: AttentionSpec, q, k, v, out, stats, do, dlse, q_ids=None, kv_
     A non-finite O or row statistic follows from a non-finite q, k or v (O is a convex combination
     of v), so those are not checked separately; dlse enters one row's D and stays in that row.
     """
-    return lax.cond(all_finite(q, k, v, do),
+    return _checked(lambda q, k, v, out, stats, do, *_: all_finite(q, k, v, do),
                     lambda *a: mosaic_backward.backward(spec, *a),
-                    lambda *a: triton_backward.backward(spec, *a),
-                    q, k, v, out, stats, do, dlse, q_ids, kv_ids)
+                    lambda *a: triton_backward.backward(spec, *a))(
+                        q, k, v, out, stats, do, dlse, q_ids, kv_ids)

@@ -135,28 +135,39 @@ def _leaky_stand_in():
     return stand_in
 
 
+@pytest.fixture
+def mosaic_kernels(monkeypatch, request):
+    """The Mosaic kernels for the guarded backend's tests: the real ones on an H100/H200, else
+    `_leaky_stand_in()` (returned, so a test can set its mark).
+
+    Off Hopper a stand-in, because on our 2-core CI machine the suite hung intermittently while
+    Mosaic GPU's interpreter ran inside the guard's lax.cond (not root-caused; the interpreter
+    runs each warpgroup on its own thread). The guard's logic is what these tests test; on an
+    H100/H200 the real kernels run them compiled.
+    """
+    if IS_HOPPER:
+        return None
+    stand_in = _leaky_stand_in()
+    monkeypatch.setitem(attention._FORWARDS, "mosaic", stand_in)
+    monkeypatch.setitem(attention._BACKWARDS, "mosaic", stand_in)
+    monkeypatch.setattr(guarded, "mosaic_forward", stand_in)
+    monkeypatch.setattr(guarded, "mosaic_backward", stand_in)
+    # Fresh custom_vjp functions, so no trace made with the real kernels is reused (and none made
+    # with the stand-in outlives the test).
+    attention._custom_vjp_attention.cache_clear()
+    request.addfinalizer(attention._custom_vjp_attention.cache_clear)
+    return stand_in
+
+
 @needs_mosaic
 @pytest.mark.parametrize("which", ["v", "q", "do"])
-def test_guarded_backend_confines_nonfinite_inputs_like_triton(which, monkeypatch, request):
+def test_guarded_backend_confines_nonfinite_inputs_like_triton(which, mosaic_kernels):
     # The "auto" backend of an sm_90 GPU, run as a whole (forward and backward). A NaN at one
     # position that half of the rows do not see (causal: query 40 and key 40 are seen only by
     # rows / keys on one side of the diagonal): the guarded backend must give exactly Triton's
     # NaN pattern (the rows that depend on it) and Triton's values elsewhere; with finite
     # inputs it must give exactly the Mosaic kernels' result.
-    if not IS_HOPPER:
-        # Off Hopper the Mosaic kernels are replaced by a stand-in: on our 2-core CI machine the
-        # suite hung intermittently while Mosaic GPU's interpreter ran inside this lax.cond (not
-        # root-caused; the interpreter runs each warpgroup on its own thread). The guard's logic
-        # is what this tests; on an H100/H200 the real kernels run it compiled.
-        stand_in = _leaky_stand_in()
-        monkeypatch.setitem(attention._FORWARDS, "mosaic", stand_in)
-        monkeypatch.setitem(attention._BACKWARDS, "mosaic", stand_in)
-        monkeypatch.setattr(guarded, "mosaic_forward", stand_in)
-        monkeypatch.setattr(guarded, "mosaic_backward", stand_in)
-        # Fresh custom_vjp functions, so no trace made with the real kernels is reused (and none
-        # made with the stand-in outlives the test).
-        attention._custom_vjp_attention.cache_clear()
-        request.addfinalizer(attention._custom_vjp_attention.cache_clear)
+    stand_in = mosaic_kernels
     q, k, v, do = random_inputs(jax.random.PRNGKey(89), *SHAPE, jnp.bfloat16)
     spec = _spec(128, 128, 64, jnp.bfloat16, causal=True, interpret=not ON_GPU)
 
@@ -169,7 +180,7 @@ def test_guarded_backend_confines_nonfinite_inputs_like_triton(which, monkeypatc
     fast = run("guarded", q, k, v, do)
     for got, want in zip(fast, run("mosaic", q, k, v, do)):
         np.testing.assert_array_equal(got, want)
-    if not IS_HOPPER:  # the stand-in's mark: the fast branch ran; now its values are Triton's
+    if stand_in is not None:  # the stand-in's mark: the fast branch ran; now its values are Triton's
         assert not np.array_equal(fast[0], run("triton", q, k, v, do)[0])
         stand_in.mark = 0.0
         attention._custom_vjp_attention.cache_clear()
@@ -186,6 +197,46 @@ def test_guarded_backend_confines_nonfinite_inputs_like_triton(which, monkeypatc
     # Not vacuous: the NaN reached some results, and the rows before the diagonal are clean.
     assert any(np.isnan(x).any() for x in triton)
     assert np.isfinite(triton[0][0, :40]).all()
+
+
+@needs_mosaic
+def test_guarded_backend_under_vmap_runs_one_branch(mosaic_kernels):
+    # Under jax.vmap a plain lax.cond gets a per-example flag and becomes a select that runs
+    # both kernels; the guard's vmap rule keeps one cond for the whole vmapped batch. With a NaN
+    # in one example the whole batch takes Triton's kernels, so every example equals Triton's.
+    stand_in = mosaic_kernels
+    q, k, v, do = random_inputs(jax.random.PRNGKey(92), 2, 128, 128, 4, 2, 64, jnp.bfloat16)
+    spec = _spec(128, 128, 64, jnp.bfloat16, causal=True, interpret=not ON_GPU)
+
+    def grads(backend):
+        fn = attention._custom_vjp_attention(spec, backend, backend)
+
+        def one(q, k, v, do):
+            out, vjp = jax.vjp(lambda q, k, v: fn(q[None], k[None], v[None], None, None)[0],
+                               q, k, v)
+            return (out, *vjp(do[None]))
+
+        return jax.vmap(one)
+
+    jaxpr = jax.make_jaxpr(grads("guarded"))(q, k, v, do).jaxpr
+    top = [eqn.primitive.name for eqn in jaxpr.eqns]
+    inner = [eqn.primitive.name for eqn in jaxpr.eqns
+             for sub in jax.extend.core.jaxprs_in_params(eqn.params) for eqn in sub.eqns]
+    assert "cond" in top + inner and "select_n" not in top, top
+    for got, want in zip(grads("guarded")(q, k, v, do), grads("mosaic")(q, k, v, do)):
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    if stand_in is not None:
+        stand_in.mark = 0.0
+        attention._custom_vjp_attention.cache_clear()
+    v = v.at[1, 100, 0, 5].set(jnp.nan)
+    tol = TOLERANCE[jnp.dtype(jnp.bfloat16)]
+    got, want = grads("guarded")(q, k, v, do), grads("triton")(q, k, v, do)
+    for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
+        g, w = np.asarray(g, np.float32), np.asarray(w, np.float32)
+        np.testing.assert_array_equal(np.isnan(g), np.isnan(w), err_msg=name)
+        assert_close(name, np.where(np.isnan(w), 0, g), np.where(np.isnan(w), 0, w), tol)
+    assert np.isfinite(np.asarray(want[0][0], np.float32)).all()  # example 0 is clean
+    assert np.isnan(np.asarray(want[0][1], np.float32)).any()
 
 
 @needs_mosaic
