@@ -1,4 +1,5 @@
-"""The record of an unattended one-shot GPU check run (mosaic_check.py, mosaic_bwd_check.py).
+"""The record of an unattended one-shot GPU check run (mosaic_check.py, mosaic_bwd_check.py),
+and the timing loop those scripts and mosaic_tune.py share (`timed`).
 
 Such a run gets one chance on a lent machine and nobody watches it, so it must leave a readable
 record whatever happens, even when a kernel deadlocks (a barrier hang is not an exception and
@@ -22,6 +23,24 @@ import os
 import threading
 import time
 import traceback
+
+
+def timed(fn, args, iters: int) -> tuple[float, float]:
+    """(seconds of the first call, which compiles; best of 3 means of `iters` back-to-back calls,
+    device synchronised once per mean). Shared by the GPU check and sweep scripts."""
+    import jax  # here, not at the top: the check scripts import jax under their own guard
+
+    t0 = time.monotonic()
+    jax.block_until_ready(fn(*args))
+    first = time.monotonic() - t0
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            res = fn(*args)
+        jax.block_until_ready(res)
+        best = min(best, (time.perf_counter() - t0) / iters)
+    return first, best
 
 
 def error_lines(exc, n):

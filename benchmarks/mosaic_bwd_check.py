@@ -35,7 +35,7 @@ if ROOT not in sys.path:
 
 import numpy as np  # noqa: E402
 
-from benchmarks.check_log import CheckLog  # noqa: E402
+from benchmarks.check_log import CheckLog, timed  # noqa: E402
 
 TOTAL_BUDGET_S = 330.0
 CHECK_HANG_S = 120.0
@@ -179,17 +179,7 @@ def main():
             check = f"speed bwd {tag} {impl}"
 
             def bench(build=build, check=check):
-                fn, fargs = build()
-                t0 = time.monotonic()
-                jax.block_until_ready(fn(*fargs))
-                first = time.monotonic() - t0
-                best = float("inf")
-                for _ in range(3):
-                    t0 = time.perf_counter()
-                    for _ in range(args.iters):
-                        res = fn(*fargs)
-                    jax.block_until_ready(res)
-                    best = min(best, (time.perf_counter() - t0) / args.iters)
+                first, best = timed(*build(), args.iters)
                 log.row("PASS", check, ms=best * 1e3, tflops=flops / best / 1e12,
                         first_call_s=first)
 

@@ -33,7 +33,7 @@ if ROOT not in sys.path:
 
 import numpy as np  # noqa: E402
 
-from benchmarks.check_log import CheckLog, error_lines  # noqa: E402
+from benchmarks.check_log import CheckLog, error_lines, timed  # noqa: E402
 
 TOTAL_BUDGET_S = 240.0      # the run must end within ~250 s
 # One check (compile + run + the reference's XLA compile) longer than this counts as a hang. 40 s
@@ -204,18 +204,8 @@ def main():
             check = f"speed {tag} {impl_name}"
 
             def bench(build=build):
-                fn = build()
-                t0 = time.monotonic()
-                jax.block_until_ready(fn(q, k, v))
-                first_s = time.monotonic() - t0
-                times = []
-                for _ in range(3):
-                    t0 = time.perf_counter()
-                    for _ in range(args.iters):
-                        res = fn(q, k, v)
-                    jax.block_until_ready(res)
-                    times.append((time.perf_counter() - t0) / args.iters)
-                ms = min(times) * 1e3
+                first_s, best = timed(build(), (q, k, v), args.iters)
+                ms = best * 1e3
                 rec.row("PASS", check, ms=ms, tflops=flops / (ms * 1e-3) / 1e12,
                         first_call_s=first_s)
 

@@ -35,6 +35,7 @@ import jax.numpy as jnp  # noqa: E402
 from jax import lax  # noqa: E402
 
 import pallas_flash as pf  # noqa: E402
+from benchmarks.check_log import timed  # noqa: E402
 from pallas_flash.masking import make_mask_spec  # noqa: E402
 from pallas_flash.mosaic import backward as mb  # noqa: E402
 from pallas_flash.mosaic import forward as mf  # noqa: E402
@@ -67,21 +68,6 @@ def backward_candidates(head_dim: int) -> list[mb.MosaicBackwardConfig]:
         if max(cfg.dkdv_smem_bytes(head_dim), cfg.dq_smem_bytes(head_dim)) <= SMEM_LIMIT:
             out.append(cfg)
     return out
-
-
-def timed(fn, args, iters: int) -> tuple[float, float]:
-    """(first call in s, best mean time of one call in s)."""
-    t0 = time.monotonic()
-    jax.block_until_ready(fn(*args))
-    first = time.monotonic() - t0
-    best = float("inf")
-    for _ in range(3):
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            res = fn(*args)
-        jax.block_until_ready(res)
-        best = min(best, (time.perf_counter() - t0) / iters)
-    return first, best
 
 
 def main():
