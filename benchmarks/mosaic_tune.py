@@ -46,13 +46,17 @@ from pallas_flash.triton import forward as tf  # noqa: E402
 HEADS = {64: 32, 128: 16, 256: 8}
 
 
-def forward_candidates(head_dim: int) -> list[mf.MosaicForwardConfig]:
+def forward_candidates(head_dim: int, *, stages=None, pingpong=(True, False),
+                       overlap=(False, True), registers=((232, 40),)
+                       ) -> list[mf.MosaicForwardConfig]:
     kvs = {64: (128, 256), 128: (64, 128, 192), 256: (64, 128)}[head_dim]
-    stage_counts = (2, 3) if head_dim == 64 else (2, 3, 4)
+    stage_counts = stages or ((2, 3) if head_dim == 64 else (2, 3, 4))
     out = []
-    for block_kv, stages, pingpong in itertools.product(kvs, stage_counts, (True, False)):
-        cfg = mf.MosaicForwardConfig(block_q=64, block_kv=block_kv, stages=stages,
-                                     pingpong=pingpong)
+    for block_kv, n_stages, pp, ov, (compute, copy) in itertools.product(
+            kvs, stage_counts, pingpong, overlap, registers):
+        cfg = mf.MosaicForwardConfig(block_q=64, block_kv=block_kv, stages=n_stages,
+                                     pingpong=pp, overlap=ov, compute_registers=compute,
+                                     copy_registers=copy)
         if cfg.smem_bytes(head_dim) <= SMEM_LIMIT:
             out.append(cfg)
     return out
@@ -77,10 +81,23 @@ def main():
     p.add_argument("--causal", default="0,1", help="comma list of 0/1")
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--seq", type=int, default=8192)
+    p.add_argument("--fwd-stages", default=None, help="forward stage counts, e.g. 2,3")
+    p.add_argument("--fwd-pingpong", default="1,0", help="forward ping-pong, comma list of 0/1")
+    p.add_argument("--fwd-overlap", default="0,1", help="forward overlap, comma list of 0/1")
+    p.add_argument("--fwd-registers", default="232/40",
+                   help="forward compute/copy register budgets, e.g. 232/40,240/24")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     args = p.parse_args()
     dims = [int(x) for x in args.head_dims.split(",")]
     passes = args.passes.split(",")
+
+    def flags(text):
+        return tuple(bool(int(x)) for x in text.split(","))
+
+    fwd_space = dict(
+        stages=tuple(int(x) for x in args.fwd_stages.split(",")) if args.fwd_stages else None,
+        pingpong=flags(args.fwd_pingpong), overlap=flags(args.fwd_overlap),
+        registers=tuple(tuple(int(x) for x in r.split("/")) for r in args.fwd_registers.split(",")))
     path = os.path.join(args.out, f"mosaic_tune_{'_'.join(map(str, dims))}.json")
     dev = jax.devices()[0]
     record = {"device": dev.device_kind, "jax": jax.__version__,
@@ -120,7 +137,7 @@ def main():
             if "fwd" in passes:
                 run("fwd", "cudnn", lambda: (jax.jit(lambda q, k, v: jax.nn.dot_product_attention(
                     q, k, v, is_causal=causal, implementation="cudnn")), (q, k, v)), fwd_flops)
-                for cfg in forward_candidates(d):
+                for cfg in forward_candidates(d, **fwd_space):
                     run("fwd", "mosaic", lambda cfg=cfg: (jax.jit(
                         lambda q, k, v: mf.forward(spec, q, k, v, config=cfg)), (q, k, v)),
                         fwd_flops, config=repr(cfg))

@@ -6,6 +6,7 @@ GPU it runs compiled (Hopper only). The lowering test runs the Python half of th
 (Pallas lowering, layout inference, dialect lowering) on any machine.
 """
 
+import dataclasses
 import importlib
 import math
 
@@ -61,6 +62,12 @@ CASES = [
     # first warpgroup of the last CTA drains blocks it does not use.
     pytest.param(1, 512, 256, 2, 2, 64, jnp.bfloat16, True, "bottom_right",
                  mosaic.MosaicForwardConfig(block_kv=64, pingpong=False), id="bottom-right-empty"),
+    # The lagged P V (cfg.overlap), with and without ping-pong.
+    pytest.param(2, 256, 256, 4, 2, 64, jnp.bfloat16, True, "top_left",
+                 mosaic.MosaicForwardConfig(block_kv=64, overlap=True), id="causal-gqa-overlap"),
+    pytest.param(1, 512, 256, 2, 2, 64, jnp.float16, True, "bottom_right",
+                 mosaic.MosaicForwardConfig(block_kv=64, pingpong=False, overlap=True),
+                 id="bottom-right-empty-overlap"),
 ]
 
 
@@ -82,12 +89,16 @@ def test_matches_reference(b, sq, skv, hq, hkv, d, dtype, causal, alignment, con
     assert np.all(np.asarray(out.astype(jnp.float32)).transpose(0, 2, 1, 3)[empty] == 0)
 
 
-@pytest.mark.parametrize("d,dtype,causal", [(64, jnp.bfloat16, True), (128, jnp.float16, False),
-                                            (256, jnp.bfloat16, True)])
-def test_lowers_for_sm90(d, dtype, causal):
+@pytest.mark.parametrize("d,dtype,causal,overlap", [
+    (64, jnp.bfloat16, True, False), (128, jnp.float16, False, False),
+    (256, jnp.bfloat16, True, False), (128, jnp.bfloat16, True, True), (64, jnp.float16, False, True)])
+def test_lowers_for_sm90(d, dtype, causal, overlap):
     q, k, v = _inputs(2, 1024, 1024, 4, 2, d, dtype)
     spec = _spec(q, k, causal=causal, interpret=False)
-    fn = jax.jit(lambda q, k, v: mosaic.forward(spec, q, k, v))
+    cfg = dataclasses.replace(mosaic.default_forward_config(d), overlap=overlap)
+    if overlap:  # two P tiles in registers: the smaller key block at head_dim 64
+        cfg = dataclasses.replace(cfg, block_kv=min(cfg.block_kv, 128))
+    fn = jax.jit(lambda q, k, v: mosaic.forward(spec, q, k, v, config=cfg))
     text = fn.trace(q, k, v).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
 
@@ -156,6 +167,15 @@ FEATURE_CASES = [
     # Segment ids and padding lengths (folded), partial tiles, causal bottom-right.
     pytest.param(2, 200, 264, 2, 1, 64, jnp.bfloat16, C(block_kv=64),
                  dict(causal=True, alignment="bottom_right", segments=True), id="segments-lengths"),
+    # The lagged P V (cfg.overlap) across drains on both sides, one-block ranges and empty rows.
+    pytest.param(1, 384, 384, 1, 1, 64, jnp.bfloat16, C(block_kv=64, overlap=True),
+                 dict(causal=False, window=(32, 32)), id="window-band-overlap"),
+    pytest.param(1, 136, 20, 2, 1, 64, jnp.float16, C(block_kv=64, overlap=True),
+                 dict(causal=True, alignment="bottom_right", softcap=10.0),
+                 id="short-kv-empty-overlap"),
+    pytest.param(2, 200, 264, 2, 1, 64, jnp.bfloat16, C(block_kv=64, stages=3, overlap=True),
+                 dict(causal=True, alignment="bottom_right", segments=True),
+                 id="segments-lengths-overlap"),
 ]
 
 

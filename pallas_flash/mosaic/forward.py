@@ -103,6 +103,9 @@ class MosaicForwardConfig:
     block_kv: key rows per step.
     stages: K/V shared-memory slots in flight (>= 2).
     pingpong: offset the two compute warpgroups so softmax and wgmma overlap.
+    overlap: inside each warpgroup, issue S = Q K^T of block j together with the P V product of
+      block j - 1 and run the softmax of block j while P V is still on the tensor cores
+      (FlashAttention-3's intra-warpgroup pipelining). It holds a second P tile in registers.
     compute_registers / copy_registers: per-thread register budgets after the split.
     """
 
@@ -110,6 +113,7 @@ class MosaicForwardConfig:
     block_kv: int = 128
     stages: int = 2
     pingpong: bool = True
+    overlap: bool = False
     compute_registers: int = 232
     copy_registers: int = 40
 
@@ -229,6 +233,50 @@ def _kernel_body(q_ref, k_ref, v_ref, q_ids_ref, kv_ids_ref, cta_seg_ref, wg_seg
         bounds = tuple(jnp.where(q_start < mask.seq_q, b, cta_lo) for b in bounds)
         lo, full_lo, full_hi, hi = clamp_range(bounds, cta_lo, cta_hi)
 
+        def visible_logits(j, u, masked: bool):
+            """The raw S tile of key block j in logit units, masked (-inf) where the block's
+            edge or the segment ids hide a key; `masked` False: a block every row sees fully."""
+            u, _ = logit_units(spec, u)
+            if not masked:
+                return u
+            shape = (block_q, block_kv)
+            rows = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA)
+            cols = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
+            visible = mask.visible(rows + q_start, cols + j * block_kv, kv_len)
+            if q_ids is not None:
+                kv_ids = plgpu.load(kv_ids_ref.at[batch, pl.ds(j * block_kv, block_kv)],
+                                    layout=plgpu.Layout.WGMMA.reduce(0), optimized=False)
+                same = (_bcast_rows(q_ids, shape)
+                        == lax.broadcast_in_dim(kv_ids, shape, [1]))
+                visible = same if visible is None else visible & same
+            if visible is None:  # nothing to mask (the masked ranges are empty)
+                return u
+            return jnp.where(visible, u, -jnp.inf)
+
+        def online_softmax(u, m, l):
+            """(m', alpha, P in the operand dtype, l'): one step of the online softmax."""
+            m_new = jnp.maximum(m, jnp.max(u, axis=1))
+            m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+            alpha = jnp.exp2((m - m_safe) * c)
+            p = jnp.exp2((u - _bcast_rows(m_safe, u.shape)) * c)
+            l = l * alpha + jnp.sum(p, axis=1)
+            return m_new, alpha, p.astype(dtype), l
+
+        def plus_pv_interpret(acc, p_in, slot):
+            # GPU interpret mode (jax 0.11.2) takes neither `run_state` over an accumulator
+            # ("Cannot lower jaxpr with effects: ... _WGMMAPipelineEffect") nor a wgmma
+            # operand in registers ("Expected shape (6,) but got (64, 64)"): there, P goes
+            # through shared memory and the product is added to acc afterwards.
+            my_p = p_smem[0].at[wg]
+            my_p[...] = p_in
+            plgpu.commit_smem()
+
+            def fresh(acc_ref):
+                plgpu.wgmma(acc_ref, my_p, v_smem.at[slot])
+                return acc_ref[...]
+
+            return acc + pl.run_scoped(fresh, plgpu.ACC((block_q, head_dim), jnp.float32))
+
         def step(j, carry, masked: bool):
             acc, m, l = carry
             slot = slot_of(j)
@@ -241,27 +289,8 @@ def _kernel_body(q_ref, k_ref, v_ref, q_ids_ref, kv_ids_ref, cta_seg_ref, wg_seg
 
             u = pl.run_scoped(logits, plgpu.ACC((block_q, block_kv), jnp.float32))
             plgpu.barrier_arrive(k_free.at[slot])
-            u, _ = logit_units(spec, u)
-            if masked:
-                shape = (block_q, block_kv)
-                rows = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA)
-                cols = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
-                visible = mask.visible(rows + q_start, cols + j * block_kv, kv_len)
-                if q_ids is not None:
-                    kv_ids = plgpu.load(kv_ids_ref.at[batch, pl.ds(j * block_kv, block_kv)],
-                                        layout=plgpu.Layout.WGMMA.reduce(0), optimized=False)
-                    same = (_bcast_rows(q_ids, shape)
-                            == lax.broadcast_in_dim(kv_ids, shape, [1]))
-                    visible = same if visible is None else visible & same
-                if visible is not None:  # None: nothing to mask (the masked ranges are empty)
-                    u = jnp.where(visible, u, -jnp.inf)
-            m_new = jnp.maximum(m, jnp.max(u, axis=1))
-            m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-            alpha = jnp.exp2((m - m_safe) * c)
-            p = jnp.exp2((u - _bcast_rows(m_safe, u.shape)) * c)
-            l = l * alpha + jnp.sum(p, axis=1)
+            m_new, alpha, p_in, l = online_softmax(visible_logits(j, u, masked), m, l)
             acc = acc * _bcast_rows(alpha, acc.shape)
-            p_in = p.astype(dtype)
             plgpu.barrier_wait(v_loaded.at[slot])
             rendezvous()
 
@@ -269,23 +298,85 @@ def _kernel_body(q_ref, k_ref, v_ref, q_ids_ref, kv_ids_ref, cta_seg_ref, wg_seg
                 plgpu.wgmma(acc_ref, p_in, v_smem.at[slot])
 
             if spec.interpret:
-                # GPU interpret mode (jax 0.11.2) takes neither `run_state` over an accumulator
-                # ("Cannot lower jaxpr with effects: ... _WGMMAPipelineEffect") nor a wgmma
-                # operand in registers ("Expected shape (6,) but got (64, 64)"): there, P goes
-                # through shared memory and the product is added to acc afterwards.
-                my_p = p_smem[0].at[wg]
-                my_p[...] = p_in
-                plgpu.commit_smem()
-
-                def fresh(acc_ref):
-                    plgpu.wgmma(acc_ref, my_p, v_smem.at[slot])
-                    return acc_ref[...]
-
-                acc = acc + pl.run_scoped(fresh, plgpu.ACC((block_q, head_dim), jnp.float32))
+                acc = plus_pv_interpret(acc, p_in, slot)
             else:
                 acc = pl.run_state(weighted_values)(plgpu.ACC.init(acc))
             plgpu.barrier_arrive(v_free.at[slot])
             return acc, m_new, l
+
+        # cfg.overlap: the P V product lags one block. Step j issues S_j = Q K_j^T and then
+        # acc += P_prev V_prev (two wgmma groups; prev = j - 1), waits for the first group only,
+        # and runs the softmax of S_j while the second is in flight; acc (scaled to m_prev) is
+        # rescaled to m_j once P V lands. The first step has no previous block: it multiplies a
+        # zero P by its own V block (prev == j) and releases nothing; `finish_lagged` issues
+        # the last block's P V after the loop. V_prev is waited for just before its P V (one
+        # step after its K), so each V slot is held one step longer; `waited` marks the one
+        # case where it already was (the step after the first, whose zero P V read it). With
+        # ping-pong, waiting for V_j in step j instead would deadlock at 2 stages: V_j's load
+        # needs both warpgroups' release of V_{j-2}, which the lagging warpgroup only gives
+        # after the rendezvous that the leading one would then never reach.
+        def step_lagged(j, carry, masked: bool):
+            acc, m, l, p_prev, prev, waited = carry
+            slot, prev_slot = slot_of(j), slot_of(prev)
+            plgpu.barrier_wait(k_loaded.at[slot])
+            pl.when(jnp.logical_not(waited))(lambda: plgpu.barrier_wait(v_loaded.at[prev_slot]))
+
+            if spec.interpret:
+                def logits(s_ref):
+                    plgpu.wgmma(s_ref, my_q, k_smem.at[slot].T)
+                    return s_ref[...]
+
+                u = pl.run_scoped(logits, plgpu.ACC((block_q, block_kv), jnp.float32))
+                rendezvous()
+                acc = plus_pv_interpret(acc, p_prev, prev_slot)
+                plgpu.barrier_arrive(k_free.at[slot])
+                m_new, alpha, p_in, l = online_softmax(visible_logits(j, u, masked), m, l)
+                rendezvous()
+            else:
+                def both(refs):
+                    acc_ref, out_ref = refs
+
+                    def logits(s_ref):
+                        plgpu.wgmma(s_ref, my_q, k_smem.at[slot].T)
+                        plgpu.wgmma(acc_ref, p_prev, v_smem.at[prev_slot])
+                        rendezvous()
+                        return plgpu.wgmma_accumulator_load(s_ref, wait_n=1)
+
+                    u = pl.run_scoped(logits, plgpu.ACC((block_q, block_kv), jnp.float32))
+                    plgpu.barrier_arrive(k_free.at[slot])
+                    new = online_softmax(visible_logits(j, u, masked), m, l)
+                    # Keep the softmax before the wait that ends run_state (LLVM may otherwise
+                    # sink this pure arithmetic past it, losing the overlap).
+                    new = lax.optimization_barrier(new)
+                    rendezvous()
+                    for ref, x in zip(out_ref, new):
+                        ref[...] = x
+
+                # The second element only carries the softmax's results out of run_state;
+                # its initial values just give them their shapes and layouts.
+                init = (plgpu.ACC.init(acc), (m, m, p_prev, l))
+                acc, (m_new, alpha, p_in, l) = pl.run_state(both)(init)
+            pl.when(prev != j)(lambda: plgpu.barrier_arrive(v_free.at[prev_slot]))
+            acc = acc * _bcast_rows(alpha, acc.shape)
+            return acc, m_new, l, p_in, j, prev == j
+
+        def finish_lagged(carry):
+            """The last block's P V; (acc, m, l). With no block computed, P is zero and the V
+            slot is not read for anything that is kept (rows with l = 0 are written as 0)."""
+            acc, m, l, p_prev, prev, waited = carry
+            prev_slot = slot_of(prev)
+            any_block = hi > lo
+            pl.when(any_block & jnp.logical_not(waited))(
+                lambda: plgpu.barrier_wait(v_loaded.at[prev_slot]))
+            if spec.interpret:
+                acc = plus_pv_interpret(acc, p_prev, prev_slot)
+            else:
+                def last(acc_ref):
+                    plgpu.wgmma(acc_ref, p_prev, v_smem.at[prev_slot])
+
+                acc = pl.run_state(last)(plgpu.ACC.init(acc))
+            pl.when(any_block)(lambda: plgpu.barrier_arrive(v_free.at[prev_slot]))
+            return acc, m, l
 
         def drain(j, _):
             slot = slot_of(j)
@@ -301,12 +392,17 @@ def _kernel_body(q_ref, k_ref, v_ref, q_ids_ref, kv_ids_ref, cta_seg_ref, wg_seg
                               plgpu.Layout.WGMMA.reduce(1))
         l = plgpu.layout_cast(jnp.zeros((block_q,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
         carry = (acc, m, l)
+        body = step
+        if cfg.overlap:
+            p0 = plgpu.layout_cast(jnp.zeros((block_q, block_kv), dtype), plgpu.Layout.WGMMA)
+            carry = (acc, m, l, p0, lo, jnp.bool_(False))
+            body = step_lagged
 
         plgpu.barrier_wait(q_loaded.at[wg])
         if cfg.pingpong:
             pl.when(wg == 1)(rendezvous)
-        unmasked = functools.partial(step, masked=False)
-        masked = functools.partial(step, masked=True)
+        unmasked = functools.partial(body, masked=False)
+        masked = functools.partial(body, masked=True)
         # Blocks before this warpgroup's range (the other one needs them), the masked leading
         # edge (window start), the unmasked middle, the masked trailing edge (diagonal, window
         # end, partial last key block), blocks after its range.
@@ -314,13 +410,18 @@ def _kernel_body(q_ref, k_ref, v_ref, q_ids_ref, kv_ids_ref, cta_seg_ref, wg_seg
         carry = lax.fori_loop(lo, full_lo, masked, carry)
         carry = lax.fori_loop(full_lo, full_hi, unmasked, carry)
         carry = lax.fori_loop(full_hi, hi, masked, carry)
+        if cfg.overlap:
+            carry = finish_lagged(carry)
         lax.fori_loop(hi, cta_hi, drain, None)
         if cfg.pingpong:
             pl.when(wg == 0)(rendezvous)
         acc, m, l = carry
 
+        # A row that saw no key has l = 0 and leaves with O = 0 (acc is not read: with
+        # cfg.overlap its last, zero, P V product may have read a V slot nobody loaded).
         seen = l != 0.0
-        out = acc / _bcast_rows(jnp.where(seen, l, 1.0), acc.shape)
+        out = jnp.where(_bcast_rows(seen, acc.shape),
+                        acc / _bcast_rows(jnp.where(seen, l, 1.0), acc.shape), 0.0)
         if jnp.dtype(dtype) == jnp.float16:
             big = (jnp.abs(out) > F16_MAX) & (jnp.abs(out) < jnp.inf)
             out = jnp.where(big, jnp.where(out > 0, F16_MAX, -F16_MAX), out)
