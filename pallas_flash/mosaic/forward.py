@@ -254,13 +254,13 @@ def _kernel_body(q_ref, k_ref, v_ref, q_ids_ref, kv_ids_ref, cta_seg_ref, wg_seg
             return jnp.where(visible, u, -jnp.inf)
 
         def online_softmax(u, m, l):
-            """(m', alpha, P in the operand dtype, l'): one step of the online softmax."""
+            """(m', alpha, P in float32, l'): one step of the online softmax."""
             m_new = jnp.maximum(m, jnp.max(u, axis=1))
             m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
             alpha = jnp.exp2((m - m_safe) * c)
             p = jnp.exp2((u - _bcast_rows(m_safe, u.shape)) * c)
             l = l * alpha + jnp.sum(p, axis=1)
-            return m_new, alpha, p.astype(dtype), l
+            return m_new, alpha, p, l
 
         def plus_pv_interpret(acc, p_in, slot):
             # GPU interpret mode (jax 0.11.2) takes neither `run_state` over an accumulator
@@ -289,7 +289,8 @@ def _kernel_body(q_ref, k_ref, v_ref, q_ids_ref, kv_ids_ref, cta_seg_ref, wg_seg
 
             u = pl.run_scoped(logits, plgpu.ACC((block_q, block_kv), jnp.float32))
             plgpu.barrier_arrive(k_free.at[slot])
-            m_new, alpha, p_in, l = online_softmax(visible_logits(j, u, masked), m, l)
+            m_new, alpha, p, l = online_softmax(visible_logits(j, u, masked), m, l)
+            p_in = p.astype(dtype)
             acc = acc * _bcast_rows(alpha, acc.shape)
             plgpu.barrier_wait(v_loaded.at[slot])
             rendezvous()
@@ -330,7 +331,7 @@ def _kernel_body(q_ref, k_ref, v_ref, q_ids_ref, kv_ids_ref, cta_seg_ref, wg_seg
                 rendezvous()
                 acc = plus_pv_interpret(acc, p_prev, prev_slot)
                 plgpu.barrier_arrive(k_free.at[slot])
-                m_new, alpha, p_in, l = online_softmax(visible_logits(j, u, masked), m, l)
+                m_new, alpha, p, l = online_softmax(visible_logits(j, u, masked), m, l)
                 rendezvous()
             else:
                 def both(refs):
@@ -344,6 +345,10 @@ def _kernel_body(q_ref, k_ref, v_ref, q_ids_ref, kv_ids_ref, cta_seg_ref, wg_seg
 
                     u = pl.run_scoped(logits, plgpu.ACC((block_q, block_kv), jnp.float32))
                     plgpu.barrier_arrive(k_free.at[slot])
+                    # P stays in float32 here: its cast to the operand dtype would write
+                    # the registers that the P V in flight reads (the loop carries P in
+                    # them), and ptxas then serializes every wgmma (warning C7513; NOTES.md,
+                    # session 4). FlashAttention-3 converts P after the wait for the same reason.
                     new = online_softmax(visible_logits(j, u, masked), m, l)
                     # Keep the softmax before the wait that ends run_state (LLVM may otherwise
                     # sink this pure arithmetic past it, losing the overlap).
@@ -354,8 +359,11 @@ def _kernel_body(q_ref, k_ref, v_ref, q_ids_ref, kv_ids_ref, cta_seg_ref, wg_seg
 
                 # The second element only carries the softmax's results out of run_state;
                 # its initial values just give them their shapes and layouts.
-                init = (plgpu.ACC.init(acc), (m, m, p_prev, l))
-                acc, (m_new, alpha, p_in, l) = pl.run_state(both)(init)
+                p0 = plgpu.layout_cast(jnp.zeros((block_q, block_kv), jnp.float32),
+                                       plgpu.Layout.WGMMA)
+                init = (plgpu.ACC.init(acc), (m, m, p0, l))
+                acc, (m_new, alpha, p, l) = pl.run_state(both)(init)
+            p_in = p.astype(dtype)
             pl.when(prev != j)(lambda: plgpu.barrier_arrive(v_free.at[prev_slot]))
             acc = acc * _bcast_rows(alpha, acc.shape)
             return acc, m_new, l, p_in, j, prev == j

@@ -1,0 +1,54 @@
+"""Compile the Mosaic forward for a few configs with ptxas' report on (registers, spills and
+wgmma serialization warnings), and time each once: the tool for "why is this config slow?".
+
+    MOSAIC_GPU_DUMP_PTXAS=1 MOSAIC_GPU_DUMP_SASS=1 MOSAIC_GPU_DUMP_TO=$OUT/dump \
+        PYTHONPATH=. python3 benchmarks/mosaic_ptxas.py --head-dim 128
+
+(Mosaic GPU reads the MOSAIC_GPU_DUMP_* variables from the environment when it compiles.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from jax import lax  # noqa: E402
+
+import pallas_flash as pf  # noqa: E402
+from benchmarks.check_log import timed  # noqa: E402
+from pallas_flash.masking import make_mask_spec  # noqa: E402
+from pallas_flash.mosaic import forward as mf  # noqa: E402
+from pallas_flash.spec import AttentionSpec  # noqa: E402
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--seq", type=int, default=8192)
+    p.add_argument("--block-kv", type=int, default=128)
+    p.add_argument("--overlap", default="0,1")
+    args = p.parse_args()
+    d, s, h = args.head_dim, args.seq, {64: 32, 128: 16, 256: 8}[args.head_dim]
+    q, k, v = (jax.random.normal(key, (2, s, h, d), jnp.float32).astype(jnp.bfloat16)
+               for key in jax.random.split(jax.random.key(0), 3))
+    spec = AttentionSpec(mask=make_mask_spec(s, s, causal=False), scale=1 / math.sqrt(d),
+                         softcap=None, has_segments=False, precision=lax.Precision.DEFAULT,
+                         config=pf.default_config(d, jnp.bfloat16), interpret=False)
+    for ov in (bool(int(x)) for x in args.overlap.split(",")):
+        cfg = mf.MosaicForwardConfig(block_kv=args.block_kv, overlap=ov)
+        print(f"=== {cfg}", flush=True)
+        fn = jax.jit(lambda q, k, v, cfg=cfg: mf.forward(spec, q, k, v, config=cfg))
+        _, t = timed(fn, (q, k, v), 10)
+        print(f"=== {t * 1e3:.3f} ms, {4 * 2 * h * s * s * d / t / 1e12:.1f} TFLOP/s", flush=True)
+
+
+if __name__ == "__main__":
+    main()
