@@ -42,6 +42,11 @@ Structure (one CTA = three warpgroups):
   offsets the two warpgroups by half a step, so one warpgroup's softmax overlaps the other's
   wgmmas. Warpgroup 1 rendezvouses once before its loop, warpgroup 0 once after, and drain steps
   rendezvous too, so both always make 2 * n_steps + 1 rendezvous.
+* Optional intra-warpgroup overlap (config.overlap, FlashAttention-3's pipelining; the default
+  at head_dim 128 and 256): the P V product lags one block, so each step issues S_j = Q K_j^T
+  and P_{j-1} V_{j-1} back to back, waits for S_j alone, and runs the softmax of block j while
+  P V is still on the tensor cores. P is cast to the operand dtype only after P V has landed
+  (else ptxas serializes every wgmma). With overlap, ping-pong lost speed in the sweep.
 
 Supported: bfloat16 and float16, head_dim 64/128/256, any seq_q and seq_kv,
 full, causal (top-left or bottom-right), sliding window, softcap, segment ids and padding
@@ -135,18 +140,23 @@ class MosaicForwardConfig:
 
 
 def default_forward_config(head_dim: int) -> MosaicForwardConfig:
-    """Tiles from the sweep of benchmarks/mosaic_tune.py on the H200 (NOTES.md, run 11; batch 2,
-    seq 8192, bf16, kernel alone), TFLOP/s non-causal / causal:
-      head_dim 64:  block_kv 256, 2 stages, ping-pong  421 / 390 (block_kv 128: 382 / 362)
-      head_dim 128: block_kv 128, 2 stages, ping-pong  600 / 586 (block_kv 64: 519 / 499;
-                    no ping-pong: 547 / 546; 3 stages or block_kv 192 exceed shared memory)
-      head_dim 256: block_kv 64, 2 stages, ping-pong   657 / 621 (no ping-pong: 640 / 631)
+    """Tiles from the sweeps of benchmarks/mosaic_tune.py on the H200 (batch 2, seq 8192, bf16,
+    kernel alone, cuDNN in the same process; NOTES.md), TFLOP/s non-causal / causal:
+      head_dim 64:  block_kv 256, 2 stages, ping-pong  419 / 391 (x cuDNN 0.88 / 0.90; session 4:
+                    overlap 354 / 320 at block_kv 256 and 394 / 383 at 128, no ping-pong 418 / 380)
+      head_dim 128: block_kv 128, 2 stages, overlap    596 / 575 (0.91 / 1.01; session 4: the
+                    previous default, ping-pong without overlap, 541 / 572 in the same run; overlap
+                    with ping-pong 587 / 558; block_kv 64 543 / 528; 3 stages or block_kv 192
+                    exceed shared memory)
+      head_dim 256: block_kv 64, 2 stages, overlap     692 / 669 (0.98 / 1.14; ping-pong without
+                    overlap 640 / 607, overlap with ping-pong 642 / 621)
     """
     if head_dim <= 64:
         return MosaicForwardConfig(block_q=64, block_kv=256, stages=2)
     if head_dim <= 128:
-        return MosaicForwardConfig(block_q=64, block_kv=128, stages=2)
-    return MosaicForwardConfig(block_q=64, block_kv=64, stages=2)
+        return MosaicForwardConfig(block_q=64, block_kv=128, stages=2, pingpong=False,
+                                   overlap=True)
+    return MosaicForwardConfig(block_q=64, block_kv=64, stages=2, pingpong=False, overlap=True)
 
 
 def unsupported_reason(spec: AttentionSpec, q, k, v, config: MosaicForwardConfig | None = None):
