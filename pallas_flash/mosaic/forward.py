@@ -53,8 +53,9 @@ full, causal (top-left or bottom-right), sliding window, softcap, segment ids an
 lengths. Everything else (other dtypes and head_dims) raises NotImplementedError
 (`unsupported_reason` says why without raising), for the dispatcher to route to Triton. Unlike
 the Triton kernel, a non-finite V entry in a *masked-out* position of a visited block is not
-isolated (0 * inf = NaN reaches that row): pallas_flash/guarded.py routes such calls to Triton
-under backend="auto".
+isolated (0 * inf = NaN reaches that row; with config.overlap, the first step's zero P times
+its V block reaches every row of the warpgroup): pallas_flash/guarded.py routes calls with a
+non-finite V to Triton under backend="auto".
 
 CPU testing (jax 0.11.2): Mosaic GPU has a real interpret mode that simulates shared memory,
 barriers, TMA and wgmma on the CPU: `interpret=plgpu.InterpretGPUParams()` on `plgpu.kernel`
