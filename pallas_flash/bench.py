@@ -800,6 +800,23 @@ def summary_line(meta: dict) -> str:
             f"commit {meta['git_commit']}, {meta['date_utc']}, {meta['dtype']}")
 
 
+def claim_stem(out_dir: str, prefix: str, stamp: str) -> str:
+    """A file stem `prefix_stamp` (then `-2`, `-3`, ...) that no other run in `out_dir` holds.
+
+    The file is created here, exclusively, so two runs started in the same second (one per GPU,
+    say) cannot both write `bench_<stamp>.json`, one overwriting the other."""
+    os.makedirs(out_dir, exist_ok=True)
+    for n in range(1, 1000):
+        stem = f"{prefix}_{stamp}" + (f"-{n}" if n > 1 else "")
+        try:
+            os.close(os.open(os.path.join(out_dir, stem + ".json"),
+                             os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            return stem
+        except FileExistsError:
+            continue
+    raise RuntimeError(f"no free {prefix}_{stamp}* name in {out_dir}")
+
+
 def write_json(obj: dict, out_dir: str, stem: str) -> str:
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, stem + ".json")
@@ -918,15 +935,17 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"device: {meta['gpu']} ({meta['backend']}), jax {meta['jax_version']}", flush=True)
 
     if args.memory:
+        stem = claim_stem(args.out, "memory", stamp)
+
         def save(memory, complete):
             return write_json({"meta": meta, "complete": complete, "memory": memory},
-                              args.out, f"memory_{stamp}")
+                              args.out, stem)
 
         memory = run_memory(args, impls, on_point=lambda m: save(m, False))
         path = save(memory, True)
         result = {"meta": meta, "complete": True, "memory": memory}
-        if args.plot and plot_memory(memory, os.path.join(args.out, f"memory_{stamp}.png")):
-            print(f"plot: {os.path.join(args.out, f'memory_{stamp}.png')}")
+        if args.plot and plot_memory(memory, os.path.join(args.out, f"{stem}.png")):
+            print(f"plot: {os.path.join(args.out, f'{stem}.png')}")
         print(f"json: {path}\n")
         print(summary_line(meta))
         print(format_memory_table(memory))
@@ -943,13 +962,14 @@ def main(argv: list[str] | None = None) -> dict:
 
     rows: list[dict] = []
     result = {"meta": meta, "complete": False, "results": rows}
+    stem = claim_stem(args.out, "bench", stamp)
     for case, case_impls, case_key in plan:
         rows += run_case(case, case_impls, args, case_key)
         # Rewritten after every case, so a run cut short keeps what it measured.
-        path = write_json(result, args.out, f"bench_{stamp}")
+        path = write_json(result, args.out, stem)
     result["complete"] = True
-    path = write_json(result, args.out, f"bench_{stamp}")
-    png = os.path.join(args.out, f"bench_{stamp}.png")
+    path = write_json(result, args.out, stem)
+    png = os.path.join(args.out, f"{stem}.png")
     if args.plot:
         speed_rows = [r for r in rows if r["variant"] is None]
         print(f"plot: {png}" if plot_speed(speed_rows, png)

@@ -178,3 +178,13 @@ def test_variants_small(tmp_path, monkeypatch):
         elif variant != "softcap":
             assert r["fwd_flops"] < bench.attention_flops(1, 64, 64, 1, 16, True)
     assert "n.a.: no softcap" in bench.format_table(result["results"])
+
+
+def test_runs_started_in_one_second_get_their_own_files(tmp_path):
+    # Two benchmark processes on two GPUs of one host, started together, once wrote the same
+    # bench_<stamp>.json and one run's results were lost (NOTES.md, run 17).
+    first = bench.claim_stem(str(tmp_path), "bench", "20261130-031413")
+    second = bench.claim_stem(str(tmp_path), "bench", "20261130-031413")
+    assert first == "bench_20261130-031413"
+    assert second == "bench_20261130-031413-2"
+    assert {p.name for p in tmp_path.iterdir()} == {first + ".json", second + ".json"}
