@@ -78,9 +78,12 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_flash.masking import PAD_KEY_ID, PAD_QUERY_ID, segment_block_ranges
+from pallas_flash.mosaic import fused_backward
 from pallas_flash.mosaic.common import (SMEM_LIMIT, SMEM_RESERVED, clamp_range, grid_position, logit_units,
                                        narrowed, pad_seq, streamed_range,
                                        unsupported_operands)
+from pallas_flash.mosaic.tiles import (WG_ROWS, bcast_cols, bcast_rows, idiv, matmul, positions, product,
+                                      row_vector, zeros_acc)
 from pallas_flash.spec import AttentionSpec
 from pallas_flash.stats import LOG2E, RowStats, logit_scale
 
@@ -89,7 +92,6 @@ __all__ = ["DKDV_KERNEL_NAME", "DQ_KERNEL_NAME", "MosaicBackwardConfig",
 
 DKDV_KERNEL_NAME = "pallas_flash_mosaic_bwd_dkdv"
 DQ_KERNEL_NAME = "pallas_flash_mosaic_bwd_dq"
-WG_ROWS = 64                     # wgmma M tile: rows owned by one compute warpgroup
 F16_CAST_LIMIT = 2.0 ** 14       # |dS| above this is scaled down before the float16 cast
 
 
@@ -103,6 +105,11 @@ class MosaicBackwardConfig:
     dq_compute_wgs: compute warpgroups (64 q rows each) per dQ CTA, 1 or 2. The dK/dV kernel
         always has 2 (two 64-row key tiles, or two column halves at head_dim 256).
     compute_registers / copy_registers: per-thread register budgets after the split.
+    fused: run dK/dV and dQ in one kernel, dQ summed across key tiles in a fixed order
+        (fused_backward.py), where that kernel serves the call (bfloat16, head_dim 64 / 128,
+        no segment ids, dkdv_block_q 64); elsewhere the two kernels run. Its shared-memory
+        stream has `dkdv_stages` slots.
+    fused_dq_slots: float32 dQ tiles in flight to the writer warpgroup in the fused kernel.
     """
 
     dkdv_block_q: int = 64
@@ -112,6 +119,8 @@ class MosaicBackwardConfig:
     dq_compute_wgs: int = 2
     compute_registers: int = 232
     copy_registers: int = 40
+    fused: bool = False
+    fused_dq_slots: int = 1
 
     def __post_init__(self):
         for name in ("dkdv_block_q", "dq_block_kv"):
@@ -123,6 +132,9 @@ class MosaicBackwardConfig:
             if getattr(self, name) < 2:
                 raise ValueError(f"MosaicBackwardConfig.{name} must be >= 2, "
                                  f"got {getattr(self, name)}")
+        if self.fused_dq_slots not in (1, 2):
+            raise ValueError("MosaicBackwardConfig.fused_dq_slots must be 1 or 2, "
+                             f"got {self.fused_dq_slots}")
         if self.dq_compute_wgs not in (1, 2):
             raise ValueError("MosaicBackwardConfig.dq_compute_wgs must be 1 or 2, "
                              f"got {self.dq_compute_wgs}")
@@ -181,7 +193,6 @@ def default_backward_config(head_dim: int) -> MosaicBackwardConfig:
 def unsupported_reason(spec: AttentionSpec, q, k, v,
                        config: MosaicBackwardConfig | None = None):
     """Why these kernels cannot take the call, or None if they can."""
-    del spec  # softcap, every mask and segment option is served (see below)
     reason = unsupported_operands("backward", q, k, v)
     if reason is not None:
         return reason
@@ -189,6 +200,8 @@ def unsupported_reason(spec: AttentionSpec, q, k, v,
     # Softcap, every mask (causal, alignment, sliding window), any seq_q / seq_kv and segment
     # ids / padding lengths are served; what is left is dtype, head_dim and shared memory.
     cfg = config or default_backward_config(head_dim)
+    if uses_fused(spec, q, k, cfg):
+        return fused_backward.check_smem(cfg, head_dim, SMEM_RESERVED)
     for name, need in (("dK/dV", cfg.dkdv_smem_bytes(head_dim)),
                        ("dQ", cfg.dq_smem_bytes(head_dim))):
         if need > SMEM_LIMIT:
@@ -197,57 +210,16 @@ def unsupported_reason(spec: AttentionSpec, q, k, v,
     return None
 
 
+def uses_fused(spec: AttentionSpec, q, k, cfg: MosaicBackwardConfig) -> bool:
+    """Whether `backward` runs the one-kernel path (fused_backward.py) for this call."""
+    return cfg.fused and fused_backward.unsupported_reason(spec, q, k, cfg) is None
+
+
 def _lcm(a: int, b: int) -> int:
     return a * b // math.gcd(a, b)
 
 
 # ---- helpers used inside the kernels ------------------------------------------------------------
-
-def _rows(x, shape):
-    """A per-row vector (WGMMA.reduce(1) layout) broadcast along the columns."""
-    return lax.broadcast_in_dim(x, shape, [0])
-
-
-def _cols(x, shape):
-    """A per-column vector (WGMMA.reduce(0) layout) broadcast along the rows."""
-    return lax.broadcast_in_dim(x, shape, [1])
-
-
-def _row_vector(value, n):
-    return plgpu.layout_cast(jnp.full((n,), value, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
-
-
-def _zeros_acc(rows, cols):
-    return plgpu.layout_cast(jnp.zeros((rows, cols), jnp.float32), plgpu.Layout.WGMMA)
-
-
-def _product(acc, a, b_ref, *, interpret: bool, stage_ref=None):
-    """acc + a @ b_ref by wgmma; a is an array in registers (WGMMA layout, input dtype).
-
-    Compiled: a stays in registers and the product accumulates in place. Interpret mode takes
-    neither, so a goes through `stage_ref` in shared memory and a fresh product is added.
-    """
-    if not interpret:
-        def accumulate(acc_ref):
-            plgpu.wgmma(acc_ref, a, b_ref)
-        return pl.run_state(accumulate)(plgpu.ACC.init(acc))
-    stage_ref[...] = a
-    plgpu.commit_smem()
-
-    def fresh(acc_ref):
-        plgpu.wgmma(acc_ref, stage_ref, b_ref)
-        return acc_ref[...]
-
-    return acc + pl.run_scoped(fresh, plgpu.ACC(acc.shape, jnp.float32))
-
-
-def _matmul(a_ref, b_ref, shape):
-    """a_ref @ b_ref, both in shared memory, into a fresh float32 accumulator."""
-    def run(acc_ref):
-        plgpu.wgmma(acc_ref, a_ref, b_ref)
-        return acc_ref[...]
-    return pl.run_scoped(run, plgpu.ACC(shape, jnp.float32))
-
 
 def _cast_rows(x, scale, dtype):
     """x cast to dtype; for float16 with a per-row running scale guarding against overflow.
@@ -261,22 +233,12 @@ def _cast_rows(x, scale, dtype):
     want = jnp.where((amax > F16_CAST_LIMIT) & (amax < jnp.inf), amax * (1.0 / F16_CAST_LIMIT),
                      1.0)
     scale_new = jnp.maximum(scale, want)
-    x = x * _rows(1.0 / scale_new, x.shape)
+    x = x * bcast_rows(1.0 / scale_new, x.shape)
     return x.astype(dtype), scale / scale_new, scale_new
 
 
-def _positions(shape, row0, col0):
-    rows = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA) + row0
-    cols = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA) + col0
-    return rows, cols
-
-
-def _div(x, d: int):
-    return lax.div(x, jnp.int32(d))
-
-
 def _same_segment(row_ids, col_ids, shape):
-    return _rows(row_ids, shape) == _cols(col_ids, shape)
+    return bcast_rows(row_ids, shape) == bcast_cols(col_ids, shape)
 
 
 def _and_mask(a, b):
@@ -361,14 +323,14 @@ def _dkdv_body(q_ref, k_ref, v_ref, do_ref, st_ref, q_ids_ref, kv_ids_ref, cta_s
             shape = (WG_ROWS, block_q)
             plgpu.barrier_wait(q_loaded.at[slot])
             plgpu.barrier_wait(st_loaded.at[slot])
-            u_t, t_t = logit_units(spec, _matmul(my_k, q_blk.T, shape))
+            u_t, t_t = logit_units(spec, matmul(my_k, q_blk.T, shape))
             m = plgpu.load(st.at[0], layout=plgpu.Layout.WGMMA.reduce(0))
             r = plgpu.load(st.at[1], layout=plgpu.Layout.WGMMA.reduce(0))
-            p_t = jnp.exp2((u_t - _cols(m, shape)) * c - _cols(r, shape))
+            p_t = jnp.exp2((u_t - bcast_cols(m, shape)) * c - bcast_cols(r, shape))
             visible = None
             if masked:
                 # Rows are keys, columns queries (the transposed orientation).
-                k_pos, q_pos = _positions(shape, key0, i * block_q)
+                k_pos, q_pos = positions(shape, key0, i * block_q)
                 visible = mask.visible(q_pos, k_pos, kv_len)
                 if kv_ids is not None:
                     q_ids = plgpu.load(q_ids_ref.at[batch, pl.ds(i * block_q, block_q)],
@@ -379,19 +341,19 @@ def _dkdv_body(q_ref, k_ref, v_ref, do_ref, st_ref, q_ids_ref, kv_ids_ref, cta_s
                 if visible is not None:
                     p_t = jnp.where(visible, p_t, 0.0)
             plgpu.barrier_wait(do_loaded.at[slot])
-            dp_t = _matmul(my_v, do_blk.T, shape)
+            dp_t = matmul(my_v, do_blk.T, shape)
             delta = plgpu.load(st.at[2], layout=plgpu.Layout.WGMMA.reduce(0))
-            ds_t = p_t * (dp_t - _cols(delta, shape))
+            ds_t = p_t * (dp_t - bcast_cols(delta, shape))
             if t_t is not None:
                 ds_t = ds_t * (1.0 - t_t * t_t)  # softcap: d(c tanh(x / c)) = 1 - tanh^2
             if visible is not None:
                 ds_t = jnp.where(visible, ds_t, 0.0)  # 0 even where dP^T is NaN
-            dv = _product(dv, p_t.astype(dtype), do_blk.at[col_slice],
+            dv = product(dv, p_t.astype(dtype), do_blk.at[col_slice],
                           interpret=spec.interpret, stage_ref=stage)
             ds_in, rescale, fk = _cast_rows(ds_t, fk, dtype)
             if rescale is not None:
-                dk = dk * _rows(rescale, dk.shape)
-            dk = _product(dk, ds_in, q_blk.at[col_slice], interpret=spec.interpret,
+                dk = dk * bcast_rows(rescale, dk.shape)
+            dk = product(dk, ds_in, q_blk.at[col_slice], interpret=spec.interpret,
                           stage_ref=stage)
             plgpu.barrier_arrive(slot_free.at[slot])
             return dk, dv, fk
@@ -414,9 +376,9 @@ def _dkdv_body(q_ref, k_ref, v_ref, do_ref, st_ref, q_ids_ref, kv_ids_ref, cta_s
             lax.fori_loop(hi, cta_hi, lambda i, _: drain(h, i), None)
             return carry
 
-        carry = (_zeros_acc(WG_ROWS, cols), _zeros_acc(WG_ROWS, cols), _row_vector(1.0, WG_ROWS))
+        carry = (zeros_acc(WG_ROWS, cols), zeros_acc(WG_ROWS, cols), row_vector(1.0, WG_ROWS))
         dk, dv, fk = lax.fori_loop(0, group, head_loop, carry)
-        dk = dk * _rows(fk * spec.scale, dk.shape)
+        dk = dk * bcast_rows(fk * spec.scale, dk.shape)
 
         # K and V are no longer read once the loops end: their buffers carry dK and dV out.
         # The TMA store drops rows past the end of dK / dV (a partial last key tile).
@@ -455,7 +417,7 @@ def _dkdv_body(q_ref, k_ref, v_ref, do_ref, st_ref, q_ids_ref, kv_ids_ref, cta_s
     for col_split in range(splits):
         # The column offset stays static (one code path per column slice).
         pl.when((wg < wgs) & (lax.rem(wg, jnp.int32(splits)) == col_split))(
-            functools.partial(compute, col_split * cols, _div(wg, splits)))
+            functools.partial(compute, col_split * cols, idiv(wg, splits)))
 
     @pl.when(wg == wgs)
     def _copy():
@@ -555,11 +517,11 @@ def _dq_body(q_ref, k_ref, v_ref, do_ref, st_ref, q_ids_ref, kv_ids_ref, cta_seg
             dq, fq = carry
             slot = slot_of(s)
             plgpu.barrier_wait(k_loaded.at[slot])
-            u, t = logit_units(spec, _matmul(my_q, k_smem.at[slot].T, shape))
-            p = jnp.exp2((u - _rows(m, shape)) * c - _rows(r, shape))
+            u, t = logit_units(spec, matmul(my_q, k_smem.at[slot].T, shape))
+            p = jnp.exp2((u - bcast_rows(m, shape)) * c - bcast_rows(r, shape))
             visible = None
             if masked:
-                q_pos, k_pos = _positions(shape, q0, s * block_kv)
+                q_pos, k_pos = positions(shape, q0, s * block_kv)
                 visible = mask.visible(q_pos, k_pos, kv_len)
                 if q_ids is not None:
                     kv_ids = plgpu.load(kv_ids_ref.at[batch, pl.ds(s * block_kv, block_kv)],
@@ -568,17 +530,17 @@ def _dq_body(q_ref, k_ref, v_ref, do_ref, st_ref, q_ids_ref, kv_ids_ref, cta_seg
                 if visible is not None:
                     p = jnp.where(visible, p, 0.0)
             plgpu.barrier_wait(v_loaded.at[slot])
-            dp = _matmul(my_do, v_smem.at[slot].T, shape)
+            dp = matmul(my_do, v_smem.at[slot].T, shape)
             plgpu.barrier_arrive(v_free.at[slot])
-            ds = p * (dp - _rows(delta, shape))
+            ds = p * (dp - bcast_rows(delta, shape))
             if t is not None:
                 ds = ds * (1.0 - t * t)  # softcap chain rule
             if visible is not None:
                 ds = jnp.where(visible, ds, 0.0)
             ds_in, rescale, fq = _cast_rows(ds, fq, dtype)
             if rescale is not None:
-                dq = dq * _rows(rescale, dq.shape)
-            dq = _product(dq, ds_in, k_smem.at[slot], interpret=spec.interpret, stage_ref=stage)
+                dq = dq * bcast_rows(rescale, dq.shape)
+            dq = product(dq, ds_in, k_smem.at[slot], interpret=spec.interpret, stage_ref=stage)
             plgpu.barrier_arrive(k_free.at[slot])
             return dq, fq
 
@@ -589,14 +551,14 @@ def _dq_body(q_ref, k_ref, v_ref, do_ref, st_ref, q_ids_ref, kv_ids_ref, cta_seg
             plgpu.barrier_arrive(v_free.at[slot])
             plgpu.barrier_arrive(k_free.at[slot])
 
-        carry = (_zeros_acc(WG_ROWS, head_dim), _row_vector(1.0, WG_ROWS))
+        carry = (zeros_acc(WG_ROWS, head_dim), row_vector(1.0, WG_ROWS))
         lax.fori_loop(cta_lo, lo, drain, None)
         carry = lax.fori_loop(lo, full_lo, functools.partial(step, masked=True), carry)
         carry = lax.fori_loop(full_lo, full_hi, functools.partial(step, masked=False), carry)
         carry = lax.fori_loop(full_hi, hi, functools.partial(step, masked=True), carry)
         lax.fori_loop(hi, cta_hi, drain, None)
         dq, fq = carry
-        dq = dq * _rows(fq * spec.scale, dq.shape)
+        dq = dq * bcast_rows(fq * spec.scale, dq.shape)
         my_q[...] = dq.astype(dtype)  # Q is no longer read: its buffer carries dQ out
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(my_q, dq_ref.at[rows])
@@ -605,7 +567,7 @@ def _dq_body(q_ref, k_ref, v_ref, do_ref, st_ref, q_ids_ref, kv_ids_ref, cta_seg
     @pl.when(wg == wgs)
     def _copy():
         plgpu.set_max_registers(cfg.copy_registers, action="decrease")
-        kv_head = _div(head, group)
+        kv_head = idiv(head, group)
 
         def load(i, _):
             # Block cta_lo + i goes to slot i % stages once both compute warpgroups have
@@ -689,6 +651,9 @@ def backward(spec: AttentionSpec, q, k, v, out, stats: RowStats, do, dlse, q_ids
     # zeros and drops stores there, and the gradients are sliced back.
     q, do = pad_seq(q, 8), pad_seq(do, 8)
     k, v = pad_seq(k, 8), pad_seq(v, 8)
+    if uses_fused(spec, q, k, cfg):
+        dq, dk, dv = fused_backward.fused_backward(spec, q, k, v, do, rows, cfg)
+        return dq[:, :seq_q], dk[:, :seq_kv], dv[:, :seq_kv]
     interpret = plgpu.InterpretGPUParams() if spec.interpret else None
     compiler = plgpu.CompilerParams(approx_math=True)
 

@@ -1,0 +1,389 @@
+"""The backward in one kernel for Hopper: dK/dV per key tile, dQ added across key tiles in a
+fixed order. Lowered through Pallas Mosaic GPU.
+
+Why. The two-kernel backward (backward.py) stays deterministic without atomics by computing dQ
+in a kernel of its own, which recomputes S and dP: 7 matmul units where 5 would do. At the
+rate the forward reaches that caps it near 5/7 of the forward's speed (NOTES.md, "The
+backward's ceiling"). Here the dK/dV kernel also forms dQ_partial = dS K for each q block it
+visits, and these partials are summed in global memory in a fixed order (FlashAttention-3's
+deterministic mode): 5 matmul units, bitwise-reproducible gradients.
+
+The order. For q block j, the key tiles that see it form a contiguous range [first(j), last(j))
+(MaskSpec.kv_blocks with the CTA's 128 keys as the block; tests/test_mosaic_fused.py checks that
+this is exactly the set of tiles whose MaskSpec.q_blocks range holds j). They add in increasing
+tile order: tile t waits on a global semaphore per (batch, q head, q block) until it counts
+t - first(j) earlier contributions, then adds (the first one stores, so the buffer needs no
+zeroing), waits for its write to land and signals. A tile only ever waits on lower tiles, which
+the grid launches first (head, tile, batch, the first axis fastest), so the spin cannot
+deadlock. Every tile walks its q blocks from the last down: with causal masks all tiles then
+start on the last q blocks, which every tile sees, and a tile trails the one below it by one
+step instead of by the two-step diagonal offset per tile that an upward walk would build up.
+
+The CTA. 128 key rows, four warpgroups:
+  * two compute warpgroups, 64 key rows each, in the transposed orientation of backward.py
+    (S^T = K Q^T, P^T, dP^T = V dO^T, dS^T; dV += P^T dO, dK += dS^T Q). Each writes its dS^T
+    (64 keys x 64 queries) to shared memory, and after a barrier both halves are there, each
+    computes half the *columns* of dQ_partial = dS K over all 128 keys (64 x head_dim / 2,
+    float32) and stores it to the shared dQ tile;
+  * one copy warpgroup streams Q, dO and the row statistics (as in backward.py);
+  * one writer warpgroup moves each finished dQ tile to global memory in turn: semaphore wait,
+    TMA store or TMA reduce-add (float32, in L2), wait, signal.
+dS^T is double-buffered by step parity (a warpgroup may start step s + 1 while the other still
+reads step s's halves); the dQ tile has `fused_dq_slots` slots.
+
+Where it serves: bfloat16, head_dim 64 and 128, no segment ids (backward.py falls back to the
+two-kernel path otherwise; see `unsupported_reason`). float16 would need the per-row rescale of
+dS (backward.py's `_cast_rows`) folded into dQ; segment ids make the contributing tiles of a
+q block data-dependent, not a range the kernel can compute.
+
+The float32 accumulator is summed once per q block per tile and scaled and cast in XLA after
+the kernel; q blocks no tile sees were never written and are zeroed there.
+
+CPU testing: the Mosaic GPU interpreter allocates no semaphores and has no TMA reduction. It
+runs the grid one CTA after another in index order, so the tiles of a q block arrive in the
+kernel's order anyway; there the writer reads the previous sum, adds, and stores. The compiled
+path (semaphores, reduce-add, registers) is covered on the CPU by the sm_90 lowering test only.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_flash.mosaic.common import SMEM_LIMIT, clamp_range, logit_units
+from pallas_flash.mosaic.tiles import WG_ROWS, bcast_cols, matmul, positions, product, zeros_acc
+from pallas_flash.spec import AttentionSpec
+from pallas_flash.stats import LOG2E, logit_scale
+
+__all__ = ["FUSED_KERNEL_NAME", "fused_backward", "unsupported_reason", "smem_bytes"]
+
+FUSED_KERNEL_NAME = "pallas_flash_mosaic_bwd_fused"
+CTA_KEYS = 2 * WG_ROWS      # key rows per CTA: one 64-row tile per compute warpgroup
+BLOCK_Q = WG_ROWS           # q rows per step (the dQ tile's rows)
+HEAD_DIMS = (64, 128)
+# The copy and writer warpgroups get what the two compute warpgroups leave of the 64K
+# registers: 512 threads x 128 = 2 x 128 x compute + 2 x 128 x side.
+REGISTER_POOL = 4 * 128
+
+
+def smem_bytes(head_dim: int, stages: int, dq_slots: int, itemsize: int = 2) -> int:
+    """Shared memory of the fused kernel without Mosaic's own reserve."""
+    kv = 2 * CTA_KEYS * head_dim * itemsize
+    stream = stages * (2 * BLOCK_Q * head_dim * itemsize + 3 * BLOCK_Q * 4)
+    ds = 2 * CTA_KEYS * BLOCK_Q * itemsize            # two parities
+    dq = dq_slots * BLOCK_Q * head_dim * 4
+    return kv + stream + ds + dq
+
+
+def unsupported_reason(spec: AttentionSpec, q, k, cfg) -> str | None:
+    """Why the fused kernel cannot serve this call (the two-kernel path then does), or None."""
+    head_dim = q.shape[-1]
+    if spec.has_segments:
+        return "segment ids (the tiles that see a q block are data-dependent)"
+    if jnp.dtype(q.dtype) != jnp.dtype(jnp.bfloat16):
+        return f"dtype {jnp.dtype(q.dtype).name} (the fused kernel takes bfloat16)"
+    if head_dim not in HEAD_DIMS:
+        return f"head_dim {head_dim} (the fused kernel takes {HEAD_DIMS})"
+    if cfg.dkdv_block_q != BLOCK_Q:
+        return f"dkdv_block_q {cfg.dkdv_block_q} (the fused kernel steps {BLOCK_Q} q rows)"
+    del k
+    return None
+
+
+def side_registers(compute_registers: int) -> int:
+    """Registers per thread of the copy and writer warpgroups, a multiple of 8."""
+    return (REGISTER_POOL - 2 * compute_registers) // 2 // 8 * 8
+
+
+def _first_tiles(mask, n_qblocks: int):
+    """first(j), last(j): the key tiles (of CTA_KEYS rows) that see q block j, int32 [n]."""
+    starts = jnp.arange(n_qblocks, dtype=jnp.int32) * BLOCK_Q
+    lo, _, _, hi = jax.vmap(lambda s: mask.kv_blocks(s, BLOCK_Q, CTA_KEYS, mask.seq_kv))(starts)
+    return lo, hi
+
+
+def _fused_body(q_ref, k_ref, v_ref, do_ref, st_ref, dk_ref, dv_ref, dq_ref,
+                k_smem, v_smem, q_smem, do_smem, st_smem, ds_smem, dq_smem,
+                k_loaded, v_loaded, q_loaded, do_loaded, st_loaded, slot_free,
+                ds_ready, dq_ready, dq_free, both_done, *interp_smem,
+                spec: AttentionSpec, cfg, group: int, head_dim: int, q_heads: int,
+                n_qblocks: int):
+    mask = spec.mask
+    dtype = q_ref.dtype
+    stages, slots = cfg.dkdv_stages, cfg.fused_dq_slots
+    cols = head_dim // 2          # dQ columns per compute warpgroup
+    c = logit_scale(spec) * LOG2E
+    kv_len = mask.seq_kv if mask.seq_kv % WG_ROWS else None
+
+    tile = lax.axis_index("tile")
+    kv_head = lax.axis_index("head")
+    batch = lax.axis_index("batch")
+    wg = lax.axis_index("wg")
+    kv_start = tile * CTA_KEYS
+
+    # The q blocks any key of the CTA sees; each is streamed once per q head, last block first.
+    cta_lo, _, _, cta_hi = mask.q_blocks(kv_start, CTA_KEYS, BLOCK_Q, mask.seq_kv, mask.seq_q)
+    n_cta = cta_hi - cta_lo
+    per_head = jnp.maximum(n_cta, 1)
+    total = group * n_cta
+
+    def step_of(h, j):
+        return h * n_cta + (cta_hi - 1 - j)
+
+    def block_of(t):
+        """(q head, q block) of stream step t."""
+        return kv_head * group + lax.div(t, per_head), cta_hi - 1 - lax.rem(t, per_head)
+
+    def compute(w: int):
+        plgpu.set_max_registers(cfg.compute_registers, action="increase")
+        key0 = kv_start + w * WG_ROWS
+        lo, full_lo, full_hi, hi = clamp_range(
+            mask.q_blocks(key0, WG_ROWS, BLOCK_Q, mask.seq_kv, mask.seq_q), cta_lo, cta_hi)
+        my_k, my_v = k_smem.at[w], v_smem.at[w]
+        stage = interp_smem[0].at[w] if spec.interpret else None
+        shape = (WG_ROWS, BLOCK_Q)
+        # The dQ product reads both key tiles.
+        plgpu.barrier_wait(k_loaded.at[0])
+        plgpu.barrier_wait(k_loaded.at[1])
+        plgpu.barrier_wait(v_loaded.at[w])
+
+        def exchange(t, ds_t):
+            """Share dS^T, then dQ_partial[:, my columns] = dS K over the CTA's 128 keys."""
+            par = lax.rem(t, jnp.int32(2))
+            ds_smem.at[par, w][...] = ds_t
+            plgpu.commit_smem()
+            plgpu.barrier_arrive(ds_ready.at[par])
+            plgpu.barrier_wait(ds_ready.at[par])
+
+            def run(acc_ref):
+                for rt in range(2):
+                    plgpu.wgmma(acc_ref, ds_smem.at[par, rt].T,
+                                k_smem.at[rt].at[:, pl.ds(w * cols, cols)])
+                return acc_ref[...]
+
+            dq = pl.run_scoped(run, plgpu.ACC((BLOCK_Q, cols), jnp.float32))
+            dslot = lax.rem(t, jnp.int32(slots))
+            pl.when(t >= slots)(lambda: plgpu.barrier_wait(dq_free.at[dslot]))
+            dq_smem.at[dslot].at[:, pl.ds(w * cols, cols)][...] = dq
+            plgpu.commit_smem()
+            plgpu.barrier_arrive(dq_ready.at[dslot])
+
+        def step(h, i, carry, masked: bool):
+            dk, dv = carry
+            t = step_of(h, i)
+            slot = lax.rem(t, jnp.int32(stages))
+            q_blk, do_blk, st = q_smem.at[slot], do_smem.at[slot], st_smem.at[slot]
+            plgpu.barrier_wait(q_loaded.at[slot])
+            plgpu.barrier_wait(st_loaded.at[slot])
+            u_t, t_t = logit_units(spec, matmul(my_k, q_blk.T, shape))
+            m = plgpu.load(st.at[0], layout=plgpu.Layout.WGMMA.reduce(0))
+            r = plgpu.load(st.at[1], layout=plgpu.Layout.WGMMA.reduce(0))
+            p_t = jnp.exp2((u_t - bcast_cols(m, shape)) * c - bcast_cols(r, shape))
+            visible = None
+            if masked:
+                k_pos, q_pos = positions(shape, key0, i * BLOCK_Q)
+                visible = mask.visible(q_pos, k_pos, kv_len)
+                if visible is not None:
+                    p_t = jnp.where(visible, p_t, 0.0)
+            plgpu.barrier_wait(do_loaded.at[slot])
+            dp_t = matmul(my_v, do_blk.T, shape)
+            delta = plgpu.load(st.at[2], layout=plgpu.Layout.WGMMA.reduce(0))
+            ds_t = p_t * (dp_t - bcast_cols(delta, shape))
+            if t_t is not None:
+                ds_t = ds_t * (1.0 - t_t * t_t)  # softcap chain rule
+            if visible is not None:
+                ds_t = jnp.where(visible, ds_t, 0.0)
+            dv = product(dv, p_t.astype(dtype), do_blk, interpret=spec.interpret,
+                         stage_ref=stage)
+            ds_t = ds_t.astype(dtype)
+            dk = product(dk, ds_t, q_blk, interpret=spec.interpret, stage_ref=stage)
+            plgpu.barrier_arrive(slot_free.at[slot])  # Q, dO, stats of this step are read
+            exchange(t, ds_t)
+            return dk, dv
+
+        def drain(h, i):
+            # A block only the other warpgroup sees: release the stream slot and add nothing
+            # to dQ (the exchange still needs this half).
+            t = step_of(h, i)
+            slot = lax.rem(t, jnp.int32(stages))
+            plgpu.barrier_wait(q_loaded.at[slot])
+            plgpu.barrier_wait(st_loaded.at[slot])
+            plgpu.barrier_wait(do_loaded.at[slot])
+            plgpu.barrier_arrive(slot_free.at[slot])
+            exchange(t, plgpu.layout_cast(jnp.zeros((WG_ROWS, BLOCK_Q), dtype),
+                                          plgpu.Layout.WGMMA))
+
+        def downward(a, b, fn, carry):
+            """fn(j, carry) for j = b - 1 down to a."""
+            return lax.fori_loop(0, b - a, lambda n, cr: fn(b - 1 - n, cr), carry)
+
+        def head_loop(h, carry):
+            downward(hi, cta_hi, lambda i, _: drain(h, i), None)
+            carry = downward(full_hi, hi, lambda i, cr: step(h, i, cr, True), carry)
+            carry = downward(full_lo, full_hi, lambda i, cr: step(h, i, cr, False), carry)
+            carry = downward(lo, full_lo, lambda i, cr: step(h, i, cr, True), carry)
+            downward(cta_lo, lo, lambda i, _: drain(h, i), None)
+            return carry
+
+        carry = (zeros_acc(WG_ROWS, head_dim), zeros_acc(WG_ROWS, head_dim))
+        dk, dv = lax.fori_loop(0, group, head_loop, carry)
+
+        # Observe the writer's last releases (interpret mode checks every phase is awaited).
+        lax.fori_loop(jnp.maximum(total - slots, 0), total,
+                      lambda t, _: plgpu.barrier_wait(dq_free.at[lax.rem(t, jnp.int32(slots))]),
+                      None)
+        # Both warpgroups' last dQ products read both K tiles: only then may K's buffer carry
+        # dK out.
+        plgpu.barrier_arrive(both_done)
+        plgpu.barrier_wait(both_done)
+        rows = (batch, pl.ds(key0, WG_ROWS), kv_head)
+        my_k[...] = (dk * spec.scale).astype(dtype)
+        my_v[...] = dv.astype(dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(my_k, dk_ref.at[rows])
+        plgpu.copy_smem_to_gmem(my_v, dv_ref.at[rows])
+        plgpu.wait_smem_to_gmem(0)
+
+    for w in range(2):
+        # Static warpgroup index: static column slices of K and of the dQ tile.
+        pl.when(wg == w)(functools.partial(compute, w))
+
+    @pl.when(wg == 2)
+    def _copy():
+        plgpu.set_max_registers(side_registers(cfg.compute_registers), action="decrease")
+        for rt in range(2):
+            rows = (batch, pl.ds(kv_start + rt * WG_ROWS, WG_ROWS), kv_head)
+            plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[rt], k_loaded.at[rt])
+            plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[rt], v_loaded.at[rt])
+
+        def issue(t, slot):
+            q_head, j = block_of(t)
+            rows = (batch, pl.ds(j * BLOCK_Q, BLOCK_Q), q_head)
+            plgpu.copy_gmem_to_smem(q_ref.at[rows], q_smem.at[slot], q_loaded.at[slot])
+            plgpu.copy_gmem_to_smem(st_ref.at[batch, q_head, :, pl.ds(j * BLOCK_Q, BLOCK_Q)],
+                                    st_smem.at[slot], st_loaded.at[slot])
+            plgpu.copy_gmem_to_smem(do_ref.at[rows], do_smem.at[slot], do_loaded.at[slot])
+
+        for s in range(stages):
+            pl.when(s < total)(functools.partial(issue, jnp.int32(s), s))
+
+        def refill(t, _):
+            slot = lax.rem(t, jnp.int32(stages))
+            plgpu.barrier_wait(slot_free.at[slot])
+            issue(t, slot)
+
+        lax.fori_loop(jnp.int32(stages), total, refill, None)
+        lax.fori_loop(jnp.maximum(total - stages, 0), total,
+                      lambda t, _: plgpu.barrier_wait(slot_free.at[lax.rem(t, jnp.int32(stages))]),
+                      None)
+
+    @pl.when(wg == 3)
+    def _write():
+        plgpu.set_max_registers(side_registers(cfg.compute_registers), action="decrease")
+        sem = None
+        if not spec.interpret:
+            sem = pl.get_global(plgpu.SemaphoreType.REGULAR((dq_ref.shape[0] * q_heads
+                                                              * n_qblocks,)))
+
+        def write(t, _):
+            q_head, j = block_of(t)
+            dslot = lax.rem(t, jnp.int32(slots))
+            src = dq_smem.at[dslot]
+            rows = (batch, pl.ds(j * BLOCK_Q, BLOCK_Q), q_head)
+            first = mask.kv_blocks(j * BLOCK_Q, BLOCK_Q, CTA_KEYS, mask.seq_kv)[0]
+            rank = tile - first  # tiles that add to this q block before this one
+            plgpu.barrier_wait(dq_ready.at[dslot])
+            if spec.interpret:
+                acc_smem, acc_loaded = interp_smem[1], interp_smem[2]
+
+                def add_previous():
+                    plgpu.copy_gmem_to_smem(dq_ref.at[rows], acc_smem, acc_loaded)
+                    plgpu.barrier_wait(acc_loaded)
+                    src[...] = src[...] + acc_smem[...]
+                    plgpu.commit_smem()
+
+                pl.when(rank > 0)(add_previous)
+                plgpu.copy_smem_to_gmem(src, dq_ref.at[rows])
+                plgpu.wait_smem_to_gmem(0)
+            else:
+                flag = sem.at[(batch * q_heads + q_head) * n_qblocks + j]
+                plgpu.semaphore_wait(flag, rank, decrement=False, memory_scope="gpu")
+                pl.when(rank == 0)(lambda: plgpu.copy_smem_to_gmem(src, dq_ref.at[rows]))
+                pl.when(rank > 0)(lambda: plgpu.copy_smem_to_gmem(src, dq_ref.at[rows],
+                                                                  reduction_op="add"))
+                plgpu.wait_smem_to_gmem(0)  # the sum has landed: the next tile may add
+                plgpu.semaphore_signal(flag, 1, memory_scope="gpu")
+            plgpu.barrier_arrive(dq_free.at[dslot])
+
+        lax.fori_loop(jnp.int32(0), total, write, None)
+
+
+def fused_backward(spec: AttentionSpec, q, k, v, do, rows, cfg):
+    """(dq, dk, dv) for operands already padded as backward.py pads them (sequence axes to a
+    multiple of 8; rows = the [b, hq, 3, *] m / r / D statistics padded to whole q blocks)."""
+    batch, seq_q8, q_heads, head_dim = q.shape
+    kv_heads = k.shape[2]
+    group = q_heads // kv_heads
+    dtype = q.dtype
+    mask = spec.mask
+    stages, slots = cfg.dkdv_stages, cfg.fused_dq_slots
+    n_tiles = pl.cdiv(mask.seq_kv, CTA_KEYS)
+    n_qblocks = pl.cdiv(mask.seq_q, BLOCK_Q)
+    scratch = [
+        plgpu.SMEM((2, WG_ROWS, head_dim), dtype),           # K
+        plgpu.SMEM((2, WG_ROWS, head_dim), dtype),           # V
+        plgpu.SMEM((stages, BLOCK_Q, head_dim), dtype),      # Q stream
+        plgpu.SMEM((stages, BLOCK_Q, head_dim), dtype),      # dO stream
+        plgpu.SMEM((stages, 3, BLOCK_Q), jnp.float32),       # m, r, D stream
+        plgpu.SMEM((2, 2, WG_ROWS, BLOCK_Q), dtype),         # dS^T [parity, key tile]
+        plgpu.SMEM((slots, BLOCK_Q, head_dim), jnp.float32),  # dQ tiles
+        plgpu.Barrier(num_barriers=2),
+        plgpu.Barrier(num_barriers=2),
+        plgpu.Barrier(num_barriers=stages),
+        plgpu.Barrier(num_barriers=stages),
+        plgpu.Barrier(num_barriers=stages),
+        plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=2, num_barriers=2),       # dS^T halves written
+        plgpu.Barrier(num_arrivals=2, num_barriers=slots),   # dQ tile written
+        plgpu.Barrier(num_barriers=slots),                   # dQ tile sent
+        plgpu.Barrier(num_arrivals=2),                       # K no longer read
+    ]
+    if spec.interpret:
+        scratch += [plgpu.SMEM((2, WG_ROWS, BLOCK_Q), dtype),
+                    plgpu.SMEM((BLOCK_Q, head_dim), jnp.float32),
+                    plgpu.Barrier()]
+    kv_shape = jax.ShapeDtypeStruct(k.shape, dtype)
+    dk, dv, dq_sum = plgpu.kernel(
+        functools.partial(_fused_body, spec=spec, cfg=cfg, group=group, head_dim=head_dim,
+                          q_heads=q_heads, n_qblocks=n_qblocks),
+        out_type=(kv_shape, kv_shape, jax.ShapeDtypeStruct(q.shape, jnp.float32)),
+        scratch_types=scratch,
+        # Tiles of one head launch in increasing order (a tile waits only on lower ones);
+        # heads vary fastest so that a wave holds few tiles of any one head.
+        grid=(kv_heads, n_tiles, batch),
+        grid_names=("head", "tile", "batch"),
+        num_threads=4,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        interpret=plgpu.InterpretGPUParams() if spec.interpret else None,
+        kernel_name=FUSED_KERNEL_NAME,
+    )(q, k, v, do, rows)
+    # q blocks that no tile sees were never written: their dQ is 0.
+    first, last = _first_tiles(mask, n_qblocks)
+    seen = jnp.repeat(last > first, BLOCK_Q)[:seq_q8]
+    dq = jnp.where(seen[None, :, None, None], dq_sum, 0.0) * spec.scale
+    return dq.astype(dtype), dk, dv
+
+
+def check_smem(cfg, head_dim: int, reserved: int) -> str | None:
+    need = smem_bytes(head_dim, cfg.dkdv_stages, cfg.fused_dq_slots) + reserved
+    if need > SMEM_LIMIT:
+        return (f"mosaic backward: config {cfg} needs {need} bytes of shared memory in the "
+                f"fused kernel at head_dim {head_dim} (limit {SMEM_LIMIT})")
+    return None
+
