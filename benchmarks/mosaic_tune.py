@@ -19,6 +19,7 @@ defaults in pallas_flash/mosaic/{forward,backward}.py, with the numbers in bench
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import math
@@ -74,6 +75,20 @@ def backward_candidates(head_dim: int) -> list[mb.MosaicBackwardConfig]:
     return out
 
 
+def named_backward_configs(head_dim: int, text: str) -> list[mb.MosaicBackwardConfig]:
+    """Configs from ';'-separated 'field=value,...' overrides of the head_dim's default."""
+    out = []
+    base = mb.default_backward_config(head_dim)
+    for item in text.split(";"):
+        fields = {}
+        for pair in filter(None, item.split(",")):
+            name, value = pair.split("=")
+            kind = type(getattr(base, name))
+            fields[name] = bool(int(value)) if kind is bool else kind(value)
+        out.append(dataclasses.replace(base, **fields))
+    return out
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--head-dims", default="64,128,256")
@@ -86,6 +101,9 @@ def main():
     p.add_argument("--fwd-overlap", default="0,1", help="forward overlap, comma list of 0/1")
     p.add_argument("--fwd-registers", default="232/40",
                    help="forward compute/copy register budgets, e.g. 232/40,240/24")
+    p.add_argument("--bwd-configs", default=None,
+                   help="backward configs instead of the sweep: ';'-separated overrides of the "
+                        "head_dim's default, e.g. ';fused=1,dkdv_stages=2' (empty = the default)")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     args = p.parse_args()
     dims = [int(x) for x in args.head_dims.split(",")]
@@ -151,7 +169,8 @@ def main():
                     return jax.jit(lambda vjp, do: vjp(do)), (vjp, do)
 
                 run("bwd", "cudnn", cudnn_bwd, 2.5 * fwd_flops)
-                for cfg in backward_candidates(d):
+                for cfg in (backward_candidates(d) if args.bwd_configs is None
+                            else named_backward_configs(d, args.bwd_configs)):
                     run("bwd", "mosaic", lambda cfg=cfg: (jax.jit(
                         lambda *a: mb.backward(spec, *a, config=cfg)),
                         (q, k, v, out, st, do, dlse)), 2.5 * fwd_flops, config=repr(cfg))

@@ -65,7 +65,7 @@ __all__ = ["FUSED_KERNEL_NAME", "fused_backward", "unsupported_reason", "smem_by
 FUSED_KERNEL_NAME = "pallas_flash_mosaic_bwd_fused"
 CTA_KEYS = 2 * WG_ROWS      # key rows per CTA: one 64-row tile per compute warpgroup
 BLOCK_Q = WG_ROWS           # q rows per step (the dQ tile's rows)
-HEAD_DIMS = (64, 128)
+HEAD_DIMS = (128,)   # head_dim 64: the 32-column halves of K fail layout inference (jax 0.11.2)
 # The copy and writer warpgroups get what the two compute warpgroups leave of the 64K
 # registers: 512 threads x 128 = 2 x 128 x compute + 2 x 128 x side.
 REGISTER_POOL = 4 * 128

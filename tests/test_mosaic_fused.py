@@ -1,0 +1,181 @@
+"""The one-kernel Mosaic backward (pallas_flash/mosaic/fused_backward.py).
+
+On the CPU the kernel runs in Mosaic GPU interpret mode, where the grid runs one CTA at a time
+in index order and the writer adds to the previous sum itself (the interpreter has neither
+semaphores nor TMA reductions); on an H200 it runs compiled, with both. Gradients are compared
+with the vjp of the float32 reference for random inputs and random output and lse cotangents.
+"""
+
+import dataclasses
+import importlib
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+import pallas_flash as pf
+from helpers import TOLERANCE, assert_close, kernel_names, random_inputs
+from pallas_flash.masking import make_mask_spec
+from pallas_flash.spec import AttentionSpec
+from pallas_flash.stats import RowStats
+from pallas_flash.triton import forward as triton_forward
+
+mosaic = importlib.import_module("pallas_flash.mosaic.backward")
+fused = importlib.import_module("pallas_flash.mosaic.fused_backward")
+FUSED = mosaic.MosaicBackwardConfig(dkdv_block_q=64, dkdv_stages=2, fused=True)
+
+ON_GPU = jax.default_backend() == "gpu"
+IS_HOPPER = ON_GPU and str(getattr(jax.devices()[0], "compute_capability", "")) == "9.0"
+needs_hopper = pytest.mark.skipif(ON_GPU and not IS_HOPPER, reason="Mosaic GPU kernel needs sm_90")
+
+
+def _spec(sq, skv, d, dtype, *, causal=False, alignment="top_left", window=None, softcap=None,
+          has_segments=False, interpret=None):
+    return AttentionSpec(
+        mask=make_mask_spec(sq, skv, causal=causal, causal_alignment=alignment, window=window),
+        scale=1.0 / math.sqrt(d), softcap=softcap, has_segments=has_segments,
+        precision=lax.Precision.DEFAULT, config=pf.default_config(d, dtype),
+        interpret=(not ON_GPU) if interpret is None else interpret)
+
+
+# ---- the order's premise: the tiles that see a q block are one contiguous range ---------------
+
+MASKS = [
+    # (seq_q, seq_kv, causal, alignment, window)
+    (1000, 1000, False, "top_left", None),
+    (1000, 1000, True, "top_left", None),
+    (700, 1300, True, "bottom_right", None),
+    (1300, 700, True, "bottom_right", None),
+    (1300, 700, True, "top_left", None),
+    (1024, 1024, True, "top_left", (300, 0)),
+    (999, 1111, False, "top_left", (70, 200)),
+    (640, 896, False, "bottom_right", (0, 0)),
+    (100, 5000, True, "bottom_right", (130, 0)),
+]
+
+
+@pytest.mark.parametrize("sq,skv,causal,alignment,window", MASKS)
+def test_contributing_tiles_are_the_kernels_ranges(sq, skv, causal, alignment, window):
+    """The writer waits for `tile - first(j)` earlier sums. That is right (and cannot hang)
+    only if the tiles whose streamed range holds q block j are exactly [first(j), last(j))."""
+    mask = make_mask_spec(sq, skv, causal=causal, causal_alignment=alignment, window=window)
+    n_tiles = -(-skv // fused.CTA_KEYS)
+    n_blocks = -(-sq // fused.BLOCK_Q)
+    starts = jnp.arange(n_tiles, dtype=jnp.int32) * fused.CTA_KEYS
+    lo, _, _, hi = jax.vmap(
+        lambda s: mask.q_blocks(s, fused.CTA_KEYS, fused.BLOCK_Q, skv, sq))(starts)
+    streams = np.zeros((n_tiles, n_blocks), bool)
+    for t in range(n_tiles):
+        streams[t, int(lo[t]):int(hi[t])] = True
+    first, last = fused._first_tiles(mask, n_blocks)
+    for j in range(n_blocks):
+        expected = np.zeros(n_tiles, bool)
+        expected[int(first[j]):int(last[j])] = True
+        np.testing.assert_array_equal(streams[:, j], expected, err_msg=f"q block {j}")
+    assert streams.any()
+
+
+# ---- gradients ----------------------------------------------------------------------------------
+
+def _reference_grads(q, k, v, do, dlse, **kwargs):
+    up = lambda x: x.astype(jnp.float32)  # noqa: E731
+    fn = lambda q, k, v: pf.reference_attention(q, k, v, return_lse=True, **kwargs)  # noqa: E731
+    (_, lse), vjp = jax.vjp(fn, up(q), up(k), up(v))
+    return vjp((up(do), jnp.where(jnp.isfinite(lse), dlse, 0.0)))
+
+
+CASES = [
+    # (b, sq, skv, hq, hkv, options)
+    # Causal GQA: the q heads of a group in turn, diagonal blocks masked, the second key
+    # warpgroup of each CTA draining the blocks above its diagonal.
+    pytest.param(1, 256, 256, 4, 2, dict(causal=True), id="causal-gqa"),
+    # Partial tiles (seq_kv 150: a 22-key last tile, padded to 152 for the TMA; seq_q 200: a
+    # partial last q block), bottom-right: q blocks 0-1 see no key, so no tile writes their dQ.
+    pytest.param(2, 200, 150, 2, 1, dict(causal=True, causal_alignment="bottom_right"),
+                 id="partial-bottom-right-mqa"),
+    # A two-sided window with softcap: tiles that see a q block start past tile 0.
+    pytest.param(1, 320, 384, 2, 2, dict(window=(70, 90), softcap=2.5), id="window-softcap"),
+    # No mask: every tile adds to every q block, three tiles deep.
+    pytest.param(1, 192, 384, 2, 1, dict(), id="full"),
+]
+
+
+@needs_hopper
+@pytest.mark.parametrize("b,sq,skv,hq,hkv,options", CASES)
+def test_matches_reference(b, sq, skv, hq, hkv, options):
+    d, dtype = 128, jnp.bfloat16
+    q, k, v, do = random_inputs(jax.random.PRNGKey(61), b, sq, skv, hq, hkv, d, dtype)
+    dlse = jax.random.normal(jax.random.PRNGKey(62), (b, hq, sq), jnp.float32)
+    spec = _spec(sq, skv, d, dtype, causal=options.get("causal", False),
+                 alignment=options.get("causal_alignment", "top_left"),
+                 window=options.get("window"), softcap=options.get("softcap"))
+    assert mosaic.uses_fused(spec, q, k, FUSED)
+    out, stats = triton_forward.forward(spec, q, k, v)
+    run = jax.jit(lambda *a: mosaic.backward(spec, *a, config=FUSED))
+    grads = run(q, k, v, out, stats, do, dlse)
+    ref = _reference_grads(q, k, v, do, dlse, **options)
+    for name, g, r, x in zip(("dq", "dk", "dv"), grads, ref, (q, k, v)):
+        assert g.dtype == x.dtype and g.shape == x.shape, (name, g.dtype, g.shape)
+        assert_close(f"{name} vs reference", g, r, TOLERANCE[jnp.dtype(dtype)])
+    # The sums run in a fixed order: a second call gives the same bits.
+    again = run(q, k, v, out, stats, do, dlse)
+    for g, h in zip(grads, again):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(h))
+
+
+# ---- dispatch and lowering --------------------------------------------------------------------
+
+def _dummy(b, sq, skv, hq, hkv, d, dtype):
+    z = lambda *s: jnp.zeros(s, dtype)  # noqa: E731
+    stats = RowStats(jnp.zeros((b, hq, sq), jnp.float32), jnp.zeros((b, hq, sq), jnp.float32))
+    return z(b, sq, hq, d), z(b, skv, hkv, d), z(b, skv, hkv, d), z(b, sq, hq, d), stats
+
+
+@pytest.mark.parametrize("d,dtype,options,served", [
+    (128, jnp.bfloat16, {}, True),
+    (128, jnp.float16, {}, False),
+    (64, jnp.bfloat16, {}, False),
+    (256, jnp.bfloat16, {}, False),
+    (128, jnp.bfloat16, dict(has_segments=True), False),
+])
+def test_runs_where_it_serves_and_falls_back_elsewhere(d, dtype, options, served):
+    q, k, v, do, stats = _dummy(1, 256, 256, 2, 1, d, dtype)
+    spec = _spec(256, 256, d, dtype, causal=True, interpret=False, **options)
+    assert mosaic.uses_fused(spec, q, k, FUSED) is served
+    assert not mosaic.uses_fused(spec, q, k, mosaic.MosaicBackwardConfig(dkdv_block_q=64))
+    args = (q, k, v, q, stats, do, stats.m)
+    if spec.has_segments:
+        ids = jnp.zeros((1, 256), jnp.int32)
+        args = args + (ids, ids)
+    cfg = FUSED if d == 128 else dataclasses.replace(mosaic.default_backward_config(d), fused=True)
+    names = kernel_names(lambda *a: mosaic.backward(spec, *a, config=cfg), *args)
+    expected = ({fused.FUSED_KERNEL_NAME} if served
+                else {mosaic.DKDV_KERNEL_NAME, mosaic.DQ_KERNEL_NAME})
+    assert names == expected, names
+
+
+def test_shared_memory_is_checked():
+    q, k, v, _, _ = _dummy(1, 256, 256, 2, 1, 128, jnp.bfloat16)
+    spec = _spec(256, 256, 128, jnp.bfloat16, causal=True, interpret=False)
+    cfg = mosaic.MosaicBackwardConfig(dkdv_block_q=64, dkdv_stages=3, fused=True,
+                                      fused_dq_slots=2)
+    assert "fused kernel" in mosaic.unsupported_reason(spec, q, k, v, cfg)
+    assert mosaic.unsupported_reason(spec, q, k, v, FUSED) is None
+    with pytest.raises(ValueError, match="fused_dq_slots"):
+        mosaic.MosaicBackwardConfig(fused_dq_slots=3)
+
+
+@pytest.mark.parametrize("causal,options", [(True, {}), (False, dict(window=(100, 50),
+                                                                       softcap=30.0))],
+                         ids=["causal", "window-softcap"])
+def test_lowers_for_sm90(causal, options):
+    seq = 1001
+    q, k, v, do, stats = _dummy(2, seq, seq, 4, 2, 128, jnp.bfloat16)
+    spec = _spec(seq, seq, 128, jnp.bfloat16, causal=causal, interpret=False, **options)
+    fn = jax.jit(lambda *a: mosaic.backward(spec, *a, config=FUSED))
+    text = fn.trace(q, k, v, q, stats, do, stats.m).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
