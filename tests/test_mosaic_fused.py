@@ -25,7 +25,7 @@ from pallas_flash.triton import forward as triton_forward
 
 mosaic = importlib.import_module("pallas_flash.mosaic.backward")
 fused = importlib.import_module("pallas_flash.mosaic.fused_backward")
-FUSED = mosaic.MosaicBackwardConfig(dkdv_block_q=64, dkdv_stages=2, fused=True)
+FUSED = mosaic.MosaicBackwardConfig(dkdv_block_q=64, fused=True)
 
 ON_GPU = jax.default_backend() == "gpu"
 IS_HOPPER = ON_GPU and str(getattr(jax.devices()[0], "compute_capability", "")) == "9.0"
@@ -160,7 +160,7 @@ def test_runs_where_it_serves_and_falls_back_elsewhere(d, dtype, options, served
 def test_shared_memory_is_checked():
     q, k, v, _, _ = _dummy(1, 256, 256, 2, 1, 128, jnp.bfloat16)
     spec = _spec(256, 256, 128, jnp.bfloat16, causal=True, interpret=False)
-    cfg = mosaic.MosaicBackwardConfig(dkdv_block_q=64, dkdv_stages=3, fused=True,
+    cfg = mosaic.MosaicBackwardConfig(dkdv_block_q=64, fused_stages=3, fused=True,
                                       fused_dq_slots=2)
     assert "fused kernel" in mosaic.unsupported_reason(spec, q, k, v, cfg)
     assert mosaic.unsupported_reason(spec, q, k, v, FUSED) is None

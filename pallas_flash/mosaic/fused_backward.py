@@ -14,7 +14,7 @@ this is exactly the set of tiles whose MaskSpec.q_blocks range holds j). They ad
 tile order: tile t waits on a global semaphore per (batch, q head, q block) until it counts
 t - first(j) earlier contributions, then adds (the first one stores, so the buffer needs no
 zeroing), waits for its write to land and signals. A tile only ever waits on lower tiles, which
-the grid launches first (head, tile, batch, the first axis fastest), so the spin cannot
+the grid launches first (grid (head, batch, tile), the first axis fastest), so the spin cannot
 deadlock. Every tile walks its q blocks from the last down: with causal masks all tiles then
 start on the last q blocks, which every tile sees, and a tile trails the one below it by one
 step instead of by the two-step diagonal offset per tile that an upward walk would build up.
@@ -36,8 +36,8 @@ two-kernel path otherwise; see `unsupported_reason`). float16 would need the per
 dS (backward.py's `_cast_rows`) folded into dQ; segment ids make the contributing tiles of a
 q block data-dependent, not a range the kernel can compute.
 
-The float32 accumulator is summed once per q block per tile and scaled and cast in XLA after
-the kernel; q blocks no tile sees were never written and are zeroed there.
+The partials are scaled before they are summed; the float32 sum is cast in XLA after the
+kernel, and q blocks no tile sees (never written) are zeroed there.
 
 CPU testing: the Mosaic GPU interpreter allocates no semaphores and has no TMA reduction. It
 runs the grid one CTA after another in index order, so the tiles of a q block arrive in the
@@ -51,6 +51,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -115,7 +116,7 @@ def _fused_body(q_ref, k_ref, v_ref, do_ref, st_ref, dk_ref, dv_ref, dq_ref,
                 n_qblocks: int):
     mask = spec.mask
     dtype = q_ref.dtype
-    stages, slots = cfg.dkdv_stages, cfg.fused_dq_slots
+    stages, slots = cfg.fused_stages, cfg.fused_dq_slots
     cols = head_dim // 2          # dQ columns per compute warpgroup
     c = logit_scale(spec) * LOG2E
     kv_len = mask.seq_kv if mask.seq_kv % WG_ROWS else None
@@ -166,7 +167,7 @@ def _fused_body(q_ref, k_ref, v_ref, do_ref, st_ref, dk_ref, dv_ref, dq_ref,
                                 k_smem.at[rt].at[:, pl.ds(w * cols, cols)])
                 return acc_ref[...]
 
-            dq = pl.run_scoped(run, plgpu.ACC((BLOCK_Q, cols), jnp.float32))
+            dq = pl.run_scoped(run, plgpu.ACC((BLOCK_Q, cols), jnp.float32)) * spec.scale
             dslot = lax.rem(t, jnp.int32(slots))
             pl.when(t >= slots)(lambda: plgpu.barrier_wait(dq_free.at[dslot]))
             dq_smem.at[dslot].at[:, pl.ds(w * cols, cols)][...] = dq
@@ -331,7 +332,7 @@ def fused_backward(spec: AttentionSpec, q, k, v, do, rows, cfg):
     group = q_heads // kv_heads
     dtype = q.dtype
     mask = spec.mask
-    stages, slots = cfg.dkdv_stages, cfg.fused_dq_slots
+    stages, slots = cfg.fused_stages, cfg.fused_dq_slots
     n_tiles = pl.cdiv(mask.seq_kv, CTA_KEYS)
     n_qblocks = pl.cdiv(mask.seq_q, BLOCK_Q)
     scratch = [
@@ -363,25 +364,29 @@ def fused_backward(spec: AttentionSpec, q, k, v, do, rows, cfg):
                           q_heads=q_heads, n_qblocks=n_qblocks),
         out_type=(kv_shape, kv_shape, jax.ShapeDtypeStruct(q.shape, jnp.float32)),
         scratch_types=scratch,
-        # Tiles of one head launch in increasing order (a tile waits only on lower ones);
-        # heads vary fastest so that a wave holds few tiles of any one head.
-        grid=(kv_heads, n_tiles, batch),
-        grid_names=("head", "tile", "batch"),
+        # Tiles of one (head, batch) launch in increasing order (a tile waits only on lower
+        # ones), and the tile index varies slowest: a wave holds few tiles of any one head, and
+        # under a causal mask the longest tiles (the first ones) start first.
+        grid=(kv_heads, batch, n_tiles),
+        grid_names=("head", "batch", "tile"),
         num_threads=4,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=plgpu.InterpretGPUParams() if spec.interpret else None,
         kernel_name=FUSED_KERNEL_NAME,
     )(q, k, v, do, rows)
-    # q blocks that no tile sees were never written: their dQ is 0.
-    first, last = _first_tiles(mask, n_qblocks)
-    seen = jnp.repeat(last > first, BLOCK_Q)[:seq_q8]
-    dq = jnp.where(seen[None, :, None, None], dq_sum, 0.0) * spec.scale
-    return dq.astype(dtype), dk, dv
+    # q blocks that no tile sees were never written: their dQ is 0. (The ranges are static:
+    # computed here at trace time, so the select exists only for masks that need it.)
+    with jax.ensure_compile_time_eval():
+        first, last = _first_tiles(mask, n_qblocks)
+        seen = np.repeat(np.asarray(last > first), BLOCK_Q)[:seq_q8]
+    if not seen.all():
+        dq_sum = jnp.where(jnp.asarray(seen)[None, :, None, None], dq_sum, 0.0)
+    return dq_sum.astype(dtype), dk, dv
 
 
 def check_smem(cfg, head_dim: int, reserved: int) -> str | None:
-    need = smem_bytes(head_dim, cfg.dkdv_stages, cfg.fused_dq_slots) + reserved
+    need = smem_bytes(head_dim, cfg.fused_stages, cfg.fused_dq_slots) + reserved
     if need > SMEM_LIMIT:
         return (f"mosaic backward: config {cfg} needs {need} bytes of shared memory in the "
                 f"fused kernel at head_dim {head_dim} (limit {SMEM_LIMIT})")
