@@ -10,13 +10,18 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import math
 import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 import pallas_flash as pf
+from pallas_flash.masking import make_mask_spec
+from pallas_flash.spec import AttentionSpec
+from pallas_flash.stats import RowStats
 
 ON_GPU = jax.default_backend() == "gpu"
 
@@ -164,3 +169,34 @@ def example_module(path, name):
         yield module
     finally:
         sys.modules.pop(spec.name, None)
+
+
+# ---- the Mosaic backward kernels' tests (test_mosaic_backward.py, test_mosaic_fused.py) ---------
+
+def mosaic_spec(sq, skv, d, dtype, *, causal=False, alignment="top_left", window=None,
+                softcap=None, has_segments=False, interpret=None):
+    """The AttentionSpec the kernels receive; interpret mode off a GPU unless told."""
+    return AttentionSpec(
+        mask=make_mask_spec(sq, skv, causal=causal, causal_alignment=alignment, window=window),
+        scale=1.0 / math.sqrt(d), softcap=softcap, has_segments=has_segments,
+        precision=lax.Precision.DEFAULT, config=pf.default_config(d, dtype),
+        interpret=(not ON_GPU) if interpret is None else interpret)
+
+
+def reference_grads(q, k, v, do, dlse, **kwargs):
+    """vjp of the float32 reference for cotangents (do, dlse); dlse only on finite lse rows.
+
+    kwargs go to reference_attention (causal, causal_alignment, window, softcap, segment ids,
+    lengths)."""
+    up = lambda x: x.astype(jnp.float32)  # noqa: E731
+    fn = lambda q, k, v: pf.reference_attention(q, k, v, return_lse=True, **kwargs)  # noqa: E731
+    (_, lse), vjp = jax.vjp(fn, up(q), up(k), up(v))
+    return vjp((up(do), jnp.where(jnp.isfinite(lse), dlse, 0.0)))
+
+
+def backward_args(b, sq, skv, hq, hkv, d, dtype):
+    """(q, k, v, out, stats, do, dlse) of the right shapes for tracing a backward (values are
+    not checked: q stands in for out, zero statistics)."""
+    q, k, v, do = random_inputs(jax.random.PRNGKey(94), b, sq, skv, hq, hkv, d, dtype)
+    stats = RowStats(jnp.zeros((b, hq, sq), jnp.float32), jnp.zeros((b, hq, sq), jnp.float32))
+    return q, k, v, q, stats, do, stats.m

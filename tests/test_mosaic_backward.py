@@ -9,19 +9,15 @@ compiled-only path (wgmma operands in registers, in-place accumulation, shared-m
 """
 
 import importlib
-import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax import lax
 
-import pallas_flash as pf
-from helpers import TOLERANCE, assert_close, kernel_names, random_inputs
-from pallas_flash.masking import fold_lengths, make_mask_spec
-from pallas_flash.spec import AttentionSpec
-from pallas_flash.stats import RowStats
+from helpers import (TOLERANCE, assert_close, backward_args, kernel_names, mosaic_spec,
+                     random_inputs, reference_grads)
+from pallas_flash.masking import fold_lengths
 from pallas_flash.triton import backward as triton_backward
 from pallas_flash.triton import forward as triton_forward
 
@@ -31,26 +27,6 @@ Config = mosaic.MosaicBackwardConfig
 ON_GPU = jax.default_backend() == "gpu"
 IS_HOPPER = ON_GPU and str(getattr(jax.devices()[0], "compute_capability", "")) == "9.0"
 needs_hopper = pytest.mark.skipif(ON_GPU and not IS_HOPPER, reason="Mosaic GPU kernel needs sm_90")
-
-
-def _spec(sq, skv, d, dtype, *, causal, alignment="top_left", window=None, softcap=None,
-          has_segments=False, interpret=None):
-    return AttentionSpec(
-        mask=make_mask_spec(sq, skv, causal=causal, causal_alignment=alignment, window=window),
-        scale=1.0 / math.sqrt(d), softcap=softcap, has_segments=has_segments,
-        precision=lax.Precision.DEFAULT, config=pf.default_config(d, dtype),
-        interpret=(not ON_GPU) if interpret is None else interpret)
-
-
-def _reference_grads(q, k, v, do, dlse, **kwargs):
-    """vjp of the float32 reference for cotangents (do, dlse); dlse only on finite lse rows.
-
-    kwargs go to reference_attention (causal, causal_alignment, window, softcap, segment ids,
-    lengths)."""
-    up = lambda x: x.astype(jnp.float32)  # noqa: E731
-    fn = lambda q, k, v: pf.reference_attention(q, k, v, return_lse=True, **kwargs)  # noqa: E731
-    (_, lse), vjp = jax.vjp(fn, up(q), up(k), up(v))
-    return vjp((up(do), jnp.where(jnp.isfinite(lse), dlse, 0.0)))
 
 
 def _check(grads, tri, ref, inputs, dtype):
@@ -83,11 +59,11 @@ CASES = [
 def test_matches_reference_and_triton(b, sq, skv, hq, hkv, d, dtype, causal, alignment, config):
     q, k, v, do = random_inputs(jax.random.PRNGKey(91), b, sq, skv, hq, hkv, d, dtype)
     dlse = jax.random.normal(jax.random.PRNGKey(92), (b, hq, sq), jnp.float32)
-    spec = _spec(sq, skv, d, dtype, causal=causal, alignment=alignment)
+    spec = mosaic_spec(sq, skv, d, dtype, causal=causal, alignment=alignment)
     out, stats = triton_forward.forward(spec, q, k, v)
     grads = mosaic.backward(spec, q, k, v, out, stats, do, dlse, config=config)
     tri = triton_backward.backward(spec, q, k, v, out, stats, do, dlse)
-    ref = _reference_grads(q, k, v, do, dlse, causal=causal, causal_alignment=alignment)
+    ref = reference_grads(q, k, v, do, dlse, causal=causal, causal_alignment=alignment)
     _check(grads, tri, ref, (q, k, v), dtype)
 
 
@@ -147,7 +123,7 @@ def test_variants_match_reference_and_triton(b, sq, skv, hq, hkv, d, dtype, opti
         seg_kwargs = _segments(b, sq, skv, *segments)
         options.update(seg_kwargs)
         q_ids, kv_ids = fold_lengths(**seg_kwargs, batch=b, seq_q=sq, seq_kv=skv)
-    spec = _spec(sq, skv, d, dtype, causal=options.get("causal", False),
+    spec = mosaic_spec(sq, skv, d, dtype, causal=options.get("causal", False),
                  alignment=options.get("causal_alignment", "top_left"),
                  window=options.get("window"), softcap=options.get("softcap"),
                  has_segments=segments is not None)
@@ -155,7 +131,7 @@ def test_variants_match_reference_and_triton(b, sq, skv, hq, hkv, d, dtype, opti
     out, stats = triton_forward.forward(spec, q, k, v, q_ids, kv_ids)
     grads = mosaic.backward(spec, q, k, v, out, stats, do, dlse, q_ids, kv_ids, config=config)
     tri = triton_backward.backward(spec, q, k, v, out, stats, do, dlse, q_ids, kv_ids)
-    ref = _reference_grads(q, k, v, do, dlse, **options)
+    ref = reference_grads(q, k, v, do, dlse, **options)
     _check(grads, tri, ref, (q, k, v), dtype)
 
 
@@ -173,11 +149,11 @@ def test_float16_ds_does_not_overflow():
     sign = jnp.where(jax.random.bernoulli(k2, 0.5, k.shape), 1.0, -1.0)
     v = (sign * (f16_max - 32.0 * steps)).astype(jnp.float16)
     dlse = jax.random.normal(jax.random.PRNGKey(96), (b, h, s), jnp.float32)
-    spec = _spec(s, s, d, jnp.float16, causal=True)
+    spec = mosaic_spec(s, s, d, jnp.float16, causal=True)
     out, stats = triton_forward.forward(spec, q, k, v)
     grads = mosaic.backward(spec, q, k, v, out, stats, do, dlse)
     tri = triton_backward.backward(spec, q, k, v, out, stats, do, dlse)
-    ref = _reference_grads(q, k, v, do, dlse, causal=True)
+    ref = reference_grads(q, k, v, do, dlse, causal=True)
     tol = TOLERANCE[jnp.dtype(jnp.float16)]
     n_over = 0
     for name, g, t, r in zip(("dq", "dk", "dv"), grads, tri, ref):
@@ -191,15 +167,9 @@ def test_float16_ds_does_not_overflow():
     assert n_over > 0  # the premise: the scale of this test reaches float16's limit
 
 
-def _dummy(b, sq, skv, hq, hkv, d, dtype):
-    q, k, v, do = random_inputs(jax.random.PRNGKey(94), b, sq, skv, hq, hkv, d, dtype)
-    stats = RowStats(jnp.zeros((b, hq, sq), jnp.float32), jnp.zeros((b, hq, sq), jnp.float32))
-    return q, k, v, q, stats, do, stats.m
-
-
 def test_staged_kernels_carry_their_names():
-    args = _dummy(1, 128, 128, 2, 1, 64, jnp.bfloat16)
-    spec = _spec(128, 128, 64, jnp.bfloat16, causal=True, interpret=False)
+    args = backward_args(1, 128, 128, 2, 1, 64, jnp.bfloat16)
+    spec = mosaic_spec(128, 128, 64, jnp.bfloat16, causal=True, interpret=False)
     names = kernel_names(lambda *a: mosaic.backward(spec, *a), *args)
     assert names == {mosaic.DKDV_KERNEL_NAME, mosaic.DQ_KERNEL_NAME}, names
     assert mosaic.DKDV_KERNEL_NAME == "pallas_flash_mosaic_bwd_dkdv"
@@ -215,8 +185,8 @@ def test_staged_kernels_carry_their_names():
     (256, jnp.bfloat16, False, 1001, dict(window=(100, 50), softcap=30.0, has_segments=True)),
 ], ids=["causal-d64", "full-d256", "all-options-d128", "all-options-d256"])
 def test_lowers_for_sm90(d, dtype, causal, seq, options):
-    args = _dummy(2, seq, seq, 4, 2, d, dtype)
-    spec = _spec(seq, seq, d, dtype, causal=causal, interpret=False, **options)
+    args = backward_args(2, seq, seq, 4, 2, d, dtype)
+    spec = mosaic_spec(seq, seq, d, dtype, causal=causal, interpret=False, **options)
     if spec.has_segments:
         ids = jnp.zeros((2, seq), jnp.int32)
         args = args + (ids, ids)
@@ -236,10 +206,10 @@ def test_unsupported_raises(change, match):
     if "config" in change:
         shape["d"] = 256
     shape.update({key: val for key, val in change.items() if key in shape})
-    args = _dummy(shape["b"], shape["sq"], shape["skv"], shape["hq"], shape["hkv"], shape["d"],
+    args = backward_args(shape["b"], shape["sq"], shape["skv"], shape["hq"], shape["hkv"], shape["d"],
                   shape["dtype"])
     opts = {key: val for key, val in change.items() if key not in shape and key != "config"}
-    spec = _spec(shape["sq"], shape["skv"], shape["d"], shape["dtype"], causal=True, **opts)
+    spec = mosaic_spec(shape["sq"], shape["skv"], shape["d"], shape["dtype"], causal=True, **opts)
     config = change.get("config")
     q, k, v = args[:3]
     assert mosaic.unsupported_reason(spec, q, k, v, config) is not None
@@ -253,18 +223,18 @@ def test_unsupported_raises(change, match):
 def test_served_options_have_no_reason(opts):
     opts = dict(opts)
     sq, skv = opts.pop("sq", 256), opts.pop("skv", 256)
-    q, k, v = _dummy(1, sq, skv, 2, 1, 64, jnp.bfloat16)[:3]
-    spec = _spec(sq, skv, 64, jnp.bfloat16, causal=True, **opts)
+    q, k, v = backward_args(1, sq, skv, 2, 1, 64, jnp.bfloat16)[:3]
+    spec = mosaic_spec(sq, skv, 64, jnp.bfloat16, causal=True, **opts)
     assert mosaic.unsupported_reason(spec, q, k, v) is None
 
 
 def test_segment_ids_must_match_the_spec():
-    args = _dummy(1, 256, 256, 2, 1, 64, jnp.bfloat16)
+    args = backward_args(1, 256, 256, 2, 1, 64, jnp.bfloat16)
     ids = jnp.zeros((1, 256), jnp.int32)
-    spec = _spec(256, 256, 64, jnp.bfloat16, causal=False)
+    spec = mosaic_spec(256, 256, 64, jnp.bfloat16, causal=False)
     with pytest.raises(ValueError, match="has_segments"):
         mosaic.backward(spec, *args, ids, ids)
-    spec = _spec(256, 256, 64, jnp.bfloat16, causal=False, has_segments=True)
+    spec = mosaic_spec(256, 256, 64, jnp.bfloat16, causal=False, has_segments=True)
     with pytest.raises(ValueError, match="has_segments"):
         mosaic.backward(spec, *args)
 

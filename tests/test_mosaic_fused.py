@@ -8,19 +8,15 @@ with the vjp of the float32 reference for random inputs and random output and ls
 
 import dataclasses
 import importlib
-import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax import lax
 
-import pallas_flash as pf
-from helpers import TOLERANCE, assert_close, kernel_names, random_inputs
+from helpers import (TOLERANCE, assert_close, backward_args, kernel_names, mosaic_spec,
+                     random_inputs, reference_grads)
 from pallas_flash.masking import make_mask_spec
-from pallas_flash.spec import AttentionSpec
-from pallas_flash.stats import RowStats
 from pallas_flash.triton import forward as triton_forward
 
 mosaic = importlib.import_module("pallas_flash.mosaic.backward")
@@ -30,15 +26,6 @@ FUSED = mosaic.MosaicBackwardConfig(dkdv_block_q=64, fused=True)
 ON_GPU = jax.default_backend() == "gpu"
 IS_HOPPER = ON_GPU and str(getattr(jax.devices()[0], "compute_capability", "")) == "9.0"
 needs_hopper = pytest.mark.skipif(ON_GPU and not IS_HOPPER, reason="Mosaic GPU kernel needs sm_90")
-
-
-def _spec(sq, skv, d, dtype, *, causal=False, alignment="top_left", window=None, softcap=None,
-          has_segments=False, interpret=None):
-    return AttentionSpec(
-        mask=make_mask_spec(sq, skv, causal=causal, causal_alignment=alignment, window=window),
-        scale=1.0 / math.sqrt(d), softcap=softcap, has_segments=has_segments,
-        precision=lax.Precision.DEFAULT, config=pf.default_config(d, dtype),
-        interpret=(not ON_GPU) if interpret is None else interpret)
 
 
 # ---- the order's premise: the tiles that see a q block are one contiguous range ---------------
@@ -80,13 +67,6 @@ def test_contributing_tiles_are_the_kernels_ranges(sq, skv, causal, alignment, w
 
 # ---- gradients ----------------------------------------------------------------------------------
 
-def _reference_grads(q, k, v, do, dlse, **kwargs):
-    up = lambda x: x.astype(jnp.float32)  # noqa: E731
-    fn = lambda q, k, v: pf.reference_attention(q, k, v, return_lse=True, **kwargs)  # noqa: E731
-    (_, lse), vjp = jax.vjp(fn, up(q), up(k), up(v))
-    return vjp((up(do), jnp.where(jnp.isfinite(lse), dlse, 0.0)))
-
-
 CASES = [
     # (b, sq, skv, hq, hkv, options)
     # Causal GQA: the q heads of a group in turn, diagonal blocks masked, the second key
@@ -109,14 +89,14 @@ def test_matches_reference(b, sq, skv, hq, hkv, options):
     d, dtype = 128, jnp.bfloat16
     q, k, v, do = random_inputs(jax.random.PRNGKey(61), b, sq, skv, hq, hkv, d, dtype)
     dlse = jax.random.normal(jax.random.PRNGKey(62), (b, hq, sq), jnp.float32)
-    spec = _spec(sq, skv, d, dtype, causal=options.get("causal", False),
+    spec = mosaic_spec(sq, skv, d, dtype, causal=options.get("causal", False),
                  alignment=options.get("causal_alignment", "top_left"),
                  window=options.get("window"), softcap=options.get("softcap"))
     assert mosaic.uses_fused(spec, q, k, FUSED)
     out, stats = triton_forward.forward(spec, q, k, v)
     run = jax.jit(lambda *a: mosaic.backward(spec, *a, config=FUSED))
     grads = run(q, k, v, out, stats, do, dlse)
-    ref = _reference_grads(q, k, v, do, dlse, **options)
+    ref = reference_grads(q, k, v, do, dlse, **options)
     for name, g, r, x in zip(("dq", "dk", "dv"), grads, ref, (q, k, v)):
         assert g.dtype == x.dtype and g.shape == x.shape, (name, g.dtype, g.shape)
         assert_close(f"{name} vs reference", g, r, TOLERANCE[jnp.dtype(dtype)])
@@ -128,12 +108,6 @@ def test_matches_reference(b, sq, skv, hq, hkv, options):
 
 # ---- dispatch and lowering --------------------------------------------------------------------
 
-def _dummy(b, sq, skv, hq, hkv, d, dtype):
-    z = lambda *s: jnp.zeros(s, dtype)  # noqa: E731
-    stats = RowStats(jnp.zeros((b, hq, sq), jnp.float32), jnp.zeros((b, hq, sq), jnp.float32))
-    return z(b, sq, hq, d), z(b, skv, hkv, d), z(b, skv, hkv, d), z(b, sq, hq, d), stats
-
-
 @pytest.mark.parametrize("d,dtype,options,served", [
     (128, jnp.bfloat16, {}, True),
     (128, jnp.float16, {}, False),
@@ -142,8 +116,8 @@ def _dummy(b, sq, skv, hq, hkv, d, dtype):
     (128, jnp.bfloat16, dict(has_segments=True), False),
 ])
 def test_runs_where_it_serves_and_falls_back_elsewhere(d, dtype, options, served):
-    q, k, v, do, stats = _dummy(1, 256, 256, 2, 1, d, dtype)
-    spec = _spec(256, 256, d, dtype, causal=True, interpret=False, **options)
+    q, k, v, _, stats, do, _ = backward_args(1, 256, 256, 2, 1, d, dtype)
+    spec = mosaic_spec(256, 256, d, dtype, causal=True, interpret=False, **options)
     assert mosaic.uses_fused(spec, q, k, FUSED) is served
     assert not mosaic.uses_fused(spec, q, k, mosaic.MosaicBackwardConfig(dkdv_block_q=64))
     args = (q, k, v, q, stats, do, stats.m)
@@ -158,8 +132,8 @@ def test_runs_where_it_serves_and_falls_back_elsewhere(d, dtype, options, served
 
 
 def test_shared_memory_is_checked():
-    q, k, v, _, _ = _dummy(1, 256, 256, 2, 1, 128, jnp.bfloat16)
-    spec = _spec(256, 256, 128, jnp.bfloat16, causal=True, interpret=False)
+    q, k, v, *_ = backward_args(1, 256, 256, 2, 1, 128, jnp.bfloat16)
+    spec = mosaic_spec(256, 256, 128, jnp.bfloat16, causal=True, interpret=False)
     cfg = mosaic.MosaicBackwardConfig(dkdv_block_q=64, fused_stages=3, fused=True,
                                       fused_dq_slots=2)
     assert "fused kernel" in mosaic.unsupported_reason(spec, q, k, v, cfg)
@@ -173,8 +147,8 @@ def test_shared_memory_is_checked():
                          ids=["causal", "window-softcap"])
 def test_lowers_for_sm90(causal, options):
     seq = 1001
-    q, k, v, do, stats = _dummy(2, seq, seq, 4, 2, 128, jnp.bfloat16)
-    spec = _spec(seq, seq, 128, jnp.bfloat16, causal=causal, interpret=False, **options)
+    q, k, v, _, stats, do, _ = backward_args(2, seq, seq, 4, 2, 128, jnp.bfloat16)
+    spec = mosaic_spec(seq, seq, 128, jnp.bfloat16, causal=causal, interpret=False, **options)
     fn = jax.jit(lambda *a: mosaic.backward(spec, *a, config=FUSED))
     text = fn.trace(q, k, v, q, stats, do, stats.m).lower(
         lowering_platforms=("cuda",)).as_text()

@@ -80,7 +80,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_flash.masking import PAD_KEY_ID, PAD_QUERY_ID, segment_block_ranges
 from pallas_flash.mosaic import fused_backward
 from pallas_flash.mosaic.common import (SMEM_LIMIT, SMEM_RESERVED, clamp_range, grid_position, logit_units,
-                                       narrowed, pad_seq, streamed_range,
+                                       narrowed, pad_seq, stream_through_slots, streamed_range,
                                        unsupported_operands)
 from pallas_flash.mosaic.tiles import (WG_ROWS, bcast_cols, bcast_rows, idiv, matmul, positions, product,
                                       row_vector, zeros_acc)
@@ -445,21 +445,7 @@ def _dkdv_body(q_ref, k_ref, v_ref, do_ref, st_ref, q_ids_ref, kv_ids_ref, cta_s
                                     st_smem.at[slot], st_loaded.at[slot])
             plgpu.copy_gmem_to_smem(do_ref.at[rows], do_smem.at[slot], do_loaded.at[slot])
 
-        for s in range(stages):
-            pl.when(s < total)(functools.partial(issue, jnp.int32(s), s))
-
-        def refill(t, _):
-            slot = lax.rem(t, jnp.int32(stages))
-            plgpu.barrier_wait(slot_free.at[slot])
-            issue(t, slot)
-
-        lax.fori_loop(jnp.int32(stages), total, refill, None)
-
-        # Observe the last releases too (interpret mode checks every barrier phase is awaited).
-        def last_release(t, _):
-            plgpu.barrier_wait(slot_free.at[lax.rem(t, jnp.int32(stages))])
-
-        lax.fori_loop(jnp.maximum(total - stages, 0), total, last_release, None)
+        stream_through_slots(issue, slot_free, stages, total)
 
 
 # ---- dQ ---------------------------------------------------------------------------------------

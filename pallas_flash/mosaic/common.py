@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax.numpy as jnp
 from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_flash.config import HOPPER_SHARED_MEMORY
 from pallas_flash.masking import with_segment_range
@@ -103,3 +107,24 @@ def grid_position(mask, n_tiles: int):
     if mask.right is not None:
         tile = (n_tiles - 1) - tile
     return tile, lax.axis_index("head"), lax.axis_index("batch"), lax.axis_index("wg")
+
+
+def stream_through_slots(issue, slot_free, stages: int, total):
+    """The copy warpgroup's loop over `total` stream steps in `stages` shared-memory slots:
+    issue(t, slot) for the first `stages` steps at once, then each later step once the compute
+    warpgroups have freed its slot, then wait for the last frees too (interpret mode checks that
+    every barrier phase is awaited)."""
+    for s in range(stages):
+        pl.when(s < total)(functools.partial(issue, jnp.int32(s), s))
+
+    def refill(t, _):
+        slot = lax.rem(t, jnp.int32(stages))
+        plgpu.barrier_wait(slot_free.at[slot])
+        issue(t, slot)
+
+    lax.fori_loop(jnp.int32(stages), total, refill, None)
+
+    def last_release(t, _):
+        plgpu.barrier_wait(slot_free.at[lax.rem(t, jnp.int32(stages))])
+
+    lax.fori_loop(jnp.maximum(total - stages, 0), total, last_release, None)

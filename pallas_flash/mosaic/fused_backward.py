@@ -57,7 +57,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_flash.mosaic.common import SMEM_LIMIT, clamp_range, logit_units
+from pallas_flash.mosaic.common import (SMEM_LIMIT, clamp_range, logit_units,
+                                       stream_through_slots)
 from pallas_flash.mosaic.tiles import WG_ROWS, bcast_cols, matmul, positions, product, zeros_acc
 from pallas_flash.spec import AttentionSpec
 from pallas_flash.stats import LOG2E, logit_scale
@@ -271,18 +272,7 @@ def _fused_body(q_ref, k_ref, v_ref, do_ref, st_ref, dk_ref, dv_ref, dq_ref,
                                     st_smem.at[slot], st_loaded.at[slot])
             plgpu.copy_gmem_to_smem(do_ref.at[rows], do_smem.at[slot], do_loaded.at[slot])
 
-        for s in range(stages):
-            pl.when(s < total)(functools.partial(issue, jnp.int32(s), s))
-
-        def refill(t, _):
-            slot = lax.rem(t, jnp.int32(stages))
-            plgpu.barrier_wait(slot_free.at[slot])
-            issue(t, slot)
-
-        lax.fori_loop(jnp.int32(stages), total, refill, None)
-        lax.fori_loop(jnp.maximum(total - stages, 0), total,
-                      lambda t, _: plgpu.barrier_wait(slot_free.at[lax.rem(t, jnp.int32(stages))]),
-                      None)
+        stream_through_slots(issue, slot_free, stages, total)
 
     @pl.when(wg == 3)
     def _write():
