@@ -83,7 +83,7 @@ from pallas_flash.mosaic.common import (SMEM_LIMIT, SMEM_RESERVED, clamp_range, 
                                        narrowed, pad_seq, stream_through_slots, streamed_range,
                                        unsupported_operands)
 from pallas_flash.mosaic.tiles import (WG_ROWS, bcast_cols, bcast_rows, idiv, matmul, positions, product,
-                                      row_vector, zeros_acc)
+                                      row_vector, transposed_weights, zeros_acc)
 from pallas_flash.spec import AttentionSpec
 from pallas_flash.stats import LOG2E, RowStats, logit_scale
 
@@ -328,14 +328,11 @@ def _dkdv_body(q_ref, k_ref, v_ref, do_ref, st_ref, q_ids_ref, kv_ids_ref, cta_s
             slot = slot_of(h, i)
             q_blk, do_blk, st = q_smem.at[slot], do_smem.at[slot], st_smem.at[slot]
             shape = (WG_ROWS, block_q)
-            plgpu.barrier_wait(q_loaded.at[slot])
-            plgpu.barrier_wait(st_loaded.at[slot])
-            u_t, t_t = logit_units(spec, matmul(my_k, q_blk.T, shape))
-            m = plgpu.load(st.at[0], layout=plgpu.Layout.WGMMA.reduce(0))
-            r = plgpu.load(st.at[1], layout=plgpu.Layout.WGMMA.reduce(0))
-            p_t = jnp.exp2((u_t - bcast_cols(m, shape)) * c - bcast_cols(r, shape))
-            visible = None
-            if masked:
+            def wait_q():
+                plgpu.barrier_wait(q_loaded.at[slot])
+                plgpu.barrier_wait(st_loaded.at[slot])
+
+            def visible_fn():
                 # Rows are keys, columns queries (the transposed orientation).
                 k_pos, q_pos = positions(shape, key0, i * block_q)
                 visible = mask.visible(q_pos, k_pos, kv_len)
@@ -345,16 +342,12 @@ def _dkdv_body(q_ref, k_ref, v_ref, do_ref, st_ref, q_ids_ref, kv_ids_ref, cta_s
                     visible = _and_mask(visible, _same_segment(kv_ids, q_ids, shape))
                 # None: only queries past seq_q make this block an edge, and their r = +inf
                 # already gives P = 0.
-                if visible is not None:
-                    p_t = jnp.where(visible, p_t, 0.0)
-            plgpu.barrier_wait(do_loaded.at[slot])
-            dp_t = matmul(my_v, do_blk.T, shape)
-            delta = plgpu.load(st.at[2], layout=plgpu.Layout.WGMMA.reduce(0))
-            ds_t = p_t * (dp_t - bcast_cols(delta, shape))
-            if t_t is not None:
-                ds_t = ds_t * (1.0 - t_t * t_t)  # softcap: d(c tanh(x / c)) = 1 - tanh^2
-            if visible is not None:
-                ds_t = jnp.where(visible, ds_t, 0.0)  # 0 even where dP^T is NaN
+                return visible
+
+            p_t, ds_t = transposed_weights(
+                spec, c, my_k, my_v, q_blk, do_blk, st, shape, wait_q=wait_q,
+                wait_do=lambda: plgpu.barrier_wait(do_loaded.at[slot]),
+                visible_fn=visible_fn if masked else None)
             dv = product(dv, p_t.astype(dtype), do_blk.at[col_slice],
                           interpret=spec.interpret, stage_ref=stage)
             ds_in, rescale, fk = _cast_rows(ds_t, fk, dtype)

@@ -57,9 +57,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_flash.mosaic.common import (SMEM_LIMIT, clamp_range, logit_units,
-                                       stream_through_slots)
-from pallas_flash.mosaic.tiles import WG_ROWS, bcast_cols, matmul, positions, product, zeros_acc
+from pallas_flash.mosaic.common import SMEM_LIMIT, clamp_range, stream_through_slots
+from pallas_flash.mosaic.tiles import WG_ROWS, positions, product, transposed_weights, zeros_acc
 from pallas_flash.spec import AttentionSpec
 from pallas_flash.stats import LOG2E, logit_scale
 
@@ -181,26 +180,18 @@ def _fused_body(q_ref, k_ref, v_ref, do_ref, st_ref, dk_ref, dv_ref, dq_ref,
             t = step_of(h, i)
             slot = lax.rem(t, jnp.int32(stages))
             q_blk, do_blk, st = q_smem.at[slot], do_smem.at[slot], st_smem.at[slot]
-            plgpu.barrier_wait(q_loaded.at[slot])
-            plgpu.barrier_wait(st_loaded.at[slot])
-            u_t, t_t = logit_units(spec, matmul(my_k, q_blk.T, shape))
-            m = plgpu.load(st.at[0], layout=plgpu.Layout.WGMMA.reduce(0))
-            r = plgpu.load(st.at[1], layout=plgpu.Layout.WGMMA.reduce(0))
-            p_t = jnp.exp2((u_t - bcast_cols(m, shape)) * c - bcast_cols(r, shape))
-            visible = None
-            if masked:
+            def wait_q():
+                plgpu.barrier_wait(q_loaded.at[slot])
+                plgpu.barrier_wait(st_loaded.at[slot])
+
+            def visible_fn():
                 k_pos, q_pos = positions(shape, key0, i * BLOCK_Q)
-                visible = mask.visible(q_pos, k_pos, kv_len)
-                if visible is not None:
-                    p_t = jnp.where(visible, p_t, 0.0)
-            plgpu.barrier_wait(do_loaded.at[slot])
-            dp_t = matmul(my_v, do_blk.T, shape)
-            delta = plgpu.load(st.at[2], layout=plgpu.Layout.WGMMA.reduce(0))
-            ds_t = p_t * (dp_t - bcast_cols(delta, shape))
-            if t_t is not None:
-                ds_t = ds_t * (1.0 - t_t * t_t)  # softcap chain rule
-            if visible is not None:
-                ds_t = jnp.where(visible, ds_t, 0.0)
+                return mask.visible(q_pos, k_pos, kv_len)
+
+            p_t, ds_t = transposed_weights(
+                spec, c, my_k, my_v, q_blk, do_blk, st, shape, wait_q=wait_q,
+                wait_do=lambda: plgpu.barrier_wait(do_loaded.at[slot]),
+                visible_fn=visible_fn if masked else None)
             dv = product(dv, p_t.astype(dtype), do_blk, interpret=spec.interpret,
                          stage_ref=stage)
             ds_t = ds_t.astype(dtype)

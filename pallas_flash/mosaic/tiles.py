@@ -9,6 +9,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_flash.mosaic.common import logit_units
+
 WG_ROWS = 64                     # wgmma M tile: rows owned by one compute warpgroup
 
 
@@ -66,3 +68,34 @@ def positions(shape, row0, col0):
 
 def idiv(x, d: int):
     return lax.div(x, jnp.int32(d))
+
+
+def transposed_weights(spec, c, k_tile, v_tile, q_blk, do_blk, st, shape, *, wait_q, wait_do,
+                       visible_fn=None):
+    """(P^T, dS^T), float32, for one step of a dK/dV-style loop in the transposed orientation
+    (rows: the warpgroup's keys; columns: the streamed queries). The backward kernels' shared
+    recomputation:  S^T = K Q^T,  P^T = 2^((S^T - m) c - r),  dP^T = V dO^T,
+    dS^T = P^T (dP^T - D)  (times 1 - t^2 with a softcap).
+
+    st: the step's [3, block_q] m / r / D in shared memory. wait_q / wait_do: wait for Q and the
+    statistics, and for dO (called just before each is read). visible_fn: None for a block seen
+    whole, else a function giving the boolean visibility (or None: no mask after all); P^T and
+    dS^T are zeroed outside it (dS^T even where dP^T is NaN).
+    """
+    wait_q()
+    u_t, t_t = logit_units(spec, matmul(k_tile, q_blk.T, shape))
+    m = plgpu.load(st.at[0], layout=plgpu.Layout.WGMMA.reduce(0))
+    r = plgpu.load(st.at[1], layout=plgpu.Layout.WGMMA.reduce(0))
+    p_t = jnp.exp2((u_t - bcast_cols(m, shape)) * c - bcast_cols(r, shape))
+    visible = None if visible_fn is None else visible_fn()
+    if visible is not None:
+        p_t = jnp.where(visible, p_t, 0.0)
+    wait_do()
+    dp_t = matmul(v_tile, do_blk.T, shape)
+    delta = plgpu.load(st.at[2], layout=plgpu.Layout.WGMMA.reduce(0))
+    ds_t = p_t * (dp_t - bcast_cols(delta, shape))
+    if t_t is not None:
+        ds_t = ds_t * (1.0 - t_t * t_t)  # softcap: d(c tanh(x / c)) = 1 - tanh^2
+    if visible is not None:
+        ds_t = jnp.where(visible, ds_t, 0.0)
+    return p_t, ds_t
