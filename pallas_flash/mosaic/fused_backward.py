@@ -18,7 +18,7 @@ the grid launches first (grid (head, tile, batch); Pallas launches the last axis
 the spin cannot deadlock. Every tile walks its q blocks from the last down: with causal masks
 all tiles then start on the last q blocks, which every tile sees, and a tile trails the one
 below it by one step instead of by the two-step diagonal offset per tile that an upward walk
-would build up.
+would build up (reasoned from the dependency chain; the upward walk was not timed).
 
 The CTA. 128 key rows, four warpgroups:
   * two compute warpgroups, 64 key rows each, in the transposed orientation of backward.py
@@ -32,10 +32,15 @@ The CTA. 128 key rows, four warpgroups:
 dS^T is double-buffered by step parity (a warpgroup may start step s + 1 while the other still
 reads step s's halves); the dQ tile has `fused_dq_slots` slots.
 
-Where it serves: bfloat16, head_dim 64 and 128, no segment ids (backward.py falls back to the
+Where it serves: bfloat16, head_dim 128, no segment ids (backward.py falls back to the
 two-kernel path otherwise; see `unsupported_reason`). float16 would need the per-row rescale of
 dS (backward.py's `_cast_rows`) folded into dQ; segment ids make the contributing tiles of a
-q block data-dependent, not a range the kernel can compute.
+q block data-dependent, not a range the kernel can compute; at head_dim 64 the 32-column
+halves of K fail Mosaic's layout inference (jax 0.11.2), and head_dim 256 does not fit shared
+memory in this layout.
+
+Speed (H200, 2x8192x16x128, kernel alone, NOTES.md runs 19-24): 492-504 TFLOP/s non-causal and
+443-447 causal (0.93 / 0.86-0.88x cuDNN); the two-kernel backward ran 413-428 / 421-424.
 
 The partials are scaled before they are summed; the float32 sum is cast in XLA after the
 kernel, and q blocks no tile sees (never written) are zeroed there.
@@ -43,7 +48,8 @@ kernel, and q blocks no tile sees (never written) are zeroed there.
 CPU testing: the Mosaic GPU interpreter allocates no semaphores and has no TMA reduction. It
 runs the grid one CTA after another in index order, so the tiles of a q block arrive in the
 kernel's order anyway; there the writer reads the previous sum, adds, and stores. The compiled
-path (semaphores, reduce-add, registers) is covered on the CPU by the sm_90 lowering test only.
+path (semaphores, reduce-add, registers) is covered on the CPU by the sm_90 lowering test only,
+and ran the same tests compiled on the H200 (NOTES.md runs 19-23).
 """
 
 from __future__ import annotations
