@@ -68,25 +68,29 @@ def test_contributing_tiles_are_the_kernels_ranges(sq, skv, causal, alignment, w
 # ---- gradients ----------------------------------------------------------------------------------
 
 CASES = [
-    # (b, sq, skv, hq, hkv, options)
+    # (b, sq, skv, hq, hkv, head_dim, options)
     # Causal GQA: the q heads of a group in turn, diagonal blocks masked, the second key
     # warpgroup of each CTA draining the blocks above its diagonal.
-    pytest.param(1, 256, 256, 4, 2, dict(causal=True), id="causal-gqa"),
+    pytest.param(1, 256, 256, 4, 2, 128, dict(causal=True), id="causal-gqa"),
     # Partial tiles (seq_kv 150: a 22-key last tile, padded to 152 for the TMA; seq_q 200: a
     # partial last q block), bottom-right: q blocks 0-1 see no key, so no tile writes their dQ.
-    pytest.param(2, 200, 150, 2, 1, dict(causal=True, causal_alignment="bottom_right"),
+    pytest.param(2, 200, 150, 2, 1, 128, dict(causal=True, causal_alignment="bottom_right"),
                  id="partial-bottom-right-mqa"),
     # A two-sided window with softcap: tiles that see a q block start past tile 0.
-    pytest.param(1, 320, 384, 2, 2, dict(window=(70, 90), softcap=2.5), id="window-softcap"),
+    pytest.param(1, 320, 384, 2, 2, 128, dict(window=(70, 90), softcap=2.5),
+                 id="window-softcap"),
     # No mask: every tile adds to every q block, three tiles deep.
-    pytest.param(1, 192, 384, 2, 1, dict(), id="full"),
+    pytest.param(1, 192, 384, 2, 1, 128, dict(), id="full"),
+    # head_dim 64: the key split (each warpgroup's partial over its own keys, two adds per
+    # tile); causal GQA with partial tiles.
+    pytest.param(1, 200, 250, 4, 2, 64, dict(causal=True), id="key-split-d64"),
 ]
 
 
 @needs_hopper
-@pytest.mark.parametrize("b,sq,skv,hq,hkv,options", CASES)
-def test_matches_reference(b, sq, skv, hq, hkv, options):
-    d, dtype = 128, jnp.bfloat16
+@pytest.mark.parametrize("b,sq,skv,hq,hkv,d,options", CASES)
+def test_matches_reference(b, sq, skv, hq, hkv, d, options):
+    dtype = jnp.bfloat16
     q, k, v, do = random_inputs(jax.random.PRNGKey(61), b, sq, skv, hq, hkv, d, dtype)
     dlse = jax.random.normal(jax.random.PRNGKey(62), (b, hq, sq), jnp.float32)
     spec = mosaic_spec(sq, skv, d, dtype, causal=options.get("causal", False),
@@ -110,8 +114,8 @@ def test_matches_reference(b, sq, skv, hq, hkv, options):
 
 @pytest.mark.parametrize("d,dtype,options,served", [
     (128, jnp.bfloat16, {}, True),
+    (64, jnp.bfloat16, {}, True),
     (128, jnp.float16, {}, False),
-    (64, jnp.bfloat16, {}, False),
     (256, jnp.bfloat16, {}, False),
     (128, jnp.bfloat16, dict(has_segments=True), False),
 ])
@@ -124,7 +128,7 @@ def test_runs_where_it_serves_and_falls_back_elsewhere(d, dtype, options, served
     if spec.has_segments:
         ids = jnp.zeros((1, 256), jnp.int32)
         args = args + (ids, ids)
-    cfg = FUSED if d == 128 else dataclasses.replace(mosaic.default_backward_config(d), fused=True)
+    cfg = FUSED if d <= 128 else dataclasses.replace(mosaic.default_backward_config(d), fused=True)
     names = kernel_names(lambda *a: mosaic.backward(spec, *a, config=cfg), *args)
     expected = ({fused.FUSED_KERNEL_NAME} if served
                 else {mosaic.DKDV_KERNEL_NAME, mosaic.DQ_KERNEL_NAME})
@@ -142,13 +146,14 @@ def test_shared_memory_is_checked():
         mosaic.MosaicBackwardConfig(fused_dq_slots=3)
 
 
-@pytest.mark.parametrize("causal,options", [(True, {}), (False, dict(window=(100, 50),
-                                                                       softcap=30.0))],
-                         ids=["causal", "window-softcap"])
-def test_lowers_for_sm90(causal, options):
+@pytest.mark.parametrize("d,causal,options", [
+    (128, True, {}), (128, False, dict(window=(100, 50), softcap=30.0)), (64, True, {}),
+    (64, False, dict(window=(100, 50), softcap=30.0))],
+    ids=["causal", "window-softcap", "causal-d64", "window-softcap-d64"])
+def test_lowers_for_sm90(d, causal, options):
     seq = 1001
-    q, k, v, _, stats, do, _ = backward_args(2, seq, seq, 4, 2, 128, jnp.bfloat16)
-    spec = mosaic_spec(seq, seq, 128, jnp.bfloat16, causal=causal, interpret=False, **options)
+    q, k, v, _, stats, do, _ = backward_args(2, seq, seq, 4, 2, d, jnp.bfloat16)
+    spec = mosaic_spec(seq, seq, d, jnp.bfloat16, causal=causal, interpret=False, **options)
     fn = jax.jit(lambda *a: mosaic.backward(spec, *a, config=FUSED))
     text = fn.trace(q, k, v, q, stats, do, stats.m).lower(
         lowering_platforms=("cuda",)).as_text()
