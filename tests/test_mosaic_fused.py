@@ -16,6 +16,7 @@ import pytest
 
 from helpers import (TOLERANCE, assert_close, backward_args, kernel_names, mosaic_spec,
                      random_inputs, reference_grads)
+import pallas_flash as pf
 from pallas_flash.masking import make_mask_spec
 from pallas_flash.triton import forward as triton_forward
 
@@ -158,3 +159,38 @@ def test_lowers_for_sm90(d, causal, options):
     text = fn.trace(q, k, v, q, stats, do, stats.m).lower(
         lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
+
+
+def _largest_value(jaxpr) -> int:
+    """Elements of the largest array any equation of `jaxpr` (or of the jaxprs inside it, the
+    kernel bodies included) produces."""
+    def inner(param):
+        if isinstance(param, (tuple, list)):
+            return [j for p in param for j in inner(p)]
+        param = getattr(param, "jaxpr", param)
+        return [param] if hasattr(param, "eqns") else []
+
+    largest = 0
+    for eqn in jaxpr.eqns:
+        for var in eqn.outvars:
+            largest = max(largest, int(np.prod(getattr(var.aval, "shape", ()))))
+        for param in eqn.params.values():
+            for sub in inner(param):
+                largest = max(largest, _largest_value(sub))
+    return largest
+
+
+def test_materializes_nothing_quadratic():
+    """The fused backward's extra buffers (the float32 dQ sum, the semaphores) are linear in the
+    sequence: nothing it computes has seq_q x seq_kv elements."""
+    seq = 2048
+    args = backward_args(1, seq, seq, 2, 1, 128, jnp.bfloat16)
+    spec = mosaic_spec(seq, seq, 128, jnp.bfloat16, causal=True, interpret=False)
+    jaxpr = jax.make_jaxpr(lambda *a: mosaic.backward(spec, *a, config=FUSED))(*args).jaxpr
+    largest = _largest_value(jaxpr)
+    assert 0 < largest < seq * seq // 4, largest
+    # The check can fail: the reference's backward holds seq x seq probabilities.
+    ref = jax.make_jaxpr(lambda q, k, v: jax.vjp(
+        lambda q, k, v: pf.reference_attention(q, k, v, causal=True), q, k, v)[1](q))(
+        *args[:3]).jaxpr
+    assert _largest_value(ref) >= seq * seq
