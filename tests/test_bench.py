@@ -106,8 +106,12 @@ def test_smoke_numbers(smoke):
         if r["impl"] == "cudnn":
             continue
         assert r["status"] == "ok", r
-        for field in ("fwd_ms", "fwdbwd_ms", "fwd_tflops", "fwdbwd_tflops", "err_vs_ref"):
+        # The backward is timed on its own (not as a difference of two medians, which could
+        # come out negative), so every timing is positive.
+        for field in ("fwd_ms", "bwd_ms", "fwdbwd_ms", "fwd_tflops", "bwd_tflops",
+                      "fwdbwd_tflops", "err_vs_ref"):
             assert _finite_positive(r[field]), (r["impl"], field, r[field])
+        assert len(r["bwd_times_ms"]) == len(r["fwdbwd_times_ms"])
         assert r["ref_rows"] < r["seq"]  # the sampled-row path was exercised
 
 
