@@ -5,8 +5,11 @@
     PYTHONPATH=. python3 benchmarks/jaxpr_fingerprint.py | diff before.txt -
 
 Mosaic GPU lowers a kernel from its jaxpr alone, so a change under which every jaxpr below stays
-the same (hashes printed one per line; source lines do not enter a jaxpr) leaves the compiled
-kernels the same, and needs no new compiled run. Any other kernel change does. The configs
+the same (source lines do not enter a jaxpr) leaves the compiled kernels the same, and needs no
+new compiled run. Any other kernel change does. Each line has two hashes: of the kernel
+launches alone (their equations, bodies included), and of the whole program around them (the
+XLA glue: padding, the D = rowsum(dO O) pass, casts); a change to the glue alone moves only
+the second. The configs
 cover both backward designs (two kernels; fused, column and key split), the forward, masks,
 softcap, segment ids, partial tiles and both compile modes (sm_90 and interpret).
 """
@@ -71,10 +74,24 @@ def fingerprints():
                 q, k, v, q, stats, q, stats.m, *ids)
             fwd = jax.make_jaxpr(lambda *a: mf.forward(spec, *a))(q, k, v, *ids)
             for name, jaxpr in (("bwd", bwd), ("fwd", fwd)):
-                digest = hashlib.sha256(str(jaxpr).encode()).hexdigest()[:16]
-                rows.append(f"{digest} {name} interpret={interpret} d{d} "
-                            f"{jnp.dtype(dtype).name} {opts} config={cfg}")
+                whole = hashlib.sha256(str(jaxpr).encode()).hexdigest()[:16]
+                kernels = hashlib.sha256("\n".join(kernel_equations(jaxpr.jaxpr)).encode())
+                rows.append(f"{kernels.hexdigest()[:16]} {whole} {name} interpret={interpret} "
+                            f"d{d} {jnp.dtype(dtype).name} {opts} config={cfg}")
     return rows
+
+
+def kernel_equations(jaxpr) -> list[str]:
+    """The kernel launches (Pallas calls) in `jaxpr` and the jaxprs inside it, printed."""
+    import jax.extend
+
+    out = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name in ("pallas_call", "mpmd_map"):
+            out.append(str(eqn))
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            out.extend(kernel_equations(sub))
+    return out
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ import dataclasses
 import importlib
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -18,6 +19,7 @@ from helpers import (TOLERANCE, assert_close, backward_args, kernel_names, mosai
                      random_inputs, reference_grads)
 import pallas_flash as pf
 from pallas_flash.masking import make_mask_spec
+from pallas_flash.stats import RowStats
 from pallas_flash.triton import forward as triton_forward
 
 mosaic = importlib.import_module("pallas_flash.mosaic.backward")
@@ -194,3 +196,37 @@ def test_materializes_nothing_quadratic():
         lambda q, k, v: pf.reference_attention(q, k, v, causal=True), q, k, v)[1](q))(
         *args[:3]).jaxpr
     assert _largest_value(ref) >= seq * seq
+
+
+def test_vmap_folds_into_the_batch():
+    """jax.vmap (the guarded "auto" path vmaps the kernel it picks) becomes a larger batch of
+    one launch: the semaphores are indexed by batch, so instances must not share them. Each
+    vmapped example's gradients equal those of the example alone, bit for bit."""
+    n, sq, skv, hq, hkv, d, dtype = 2, 128, 192, 2, 1, 128, jnp.bfloat16
+    q, k, v, do = random_inputs(jax.random.PRNGKey(63), n, sq, skv, hq, hkv, d, dtype)
+    dlse = jax.random.normal(jax.random.PRNGKey(64), (n, hq, sq), jnp.float32)
+    spec = mosaic_spec(sq, skv, d, dtype, causal=True)
+    out, stats = triton_forward.forward(spec, q, k, v)
+
+    def one(q, k, v, out, m, r, do, dlse):  # a batch of one example
+        return mosaic.backward(spec, q, k, v, out, RowStats(m, r), do, dlse, config=FUSED)
+
+    args = [x[:, None] for x in (q, k, v, out, stats.m, stats.r, do, dlse)]
+    vmapped = jax.jit(jax.vmap(one))
+    got = vmapped(*args)
+    for i in range(n):
+        alone = jax.jit(one)(*(x[i] for x in args))
+        for g, a in zip(got, alone):
+            np.testing.assert_array_equal(np.asarray(g[i]), np.asarray(a))
+    # One launch, its batch the vmapped axis times the batch.
+    launches = []
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name in ("pallas_call", "mpmd_map"):
+                launches.append(eqn.invars[0].aval.shape)
+            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+                walk(sub)
+
+    walk(jax.make_jaxpr(jax.vmap(one))(*args).jaxpr)
+    assert launches == [(n, sq, hq, d)], launches

@@ -62,7 +62,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
+from jax import custom_batching, lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -369,7 +369,39 @@ def _fused_body(q_ref, k_ref, v_ref, do_ref, st_ref, dk_ref, dv_ref, dq_ref,
 
 def fused_backward(spec: AttentionSpec, q, k, v, do, rows, cfg):
     """(dq, dk, dv) for operands already padded as backward.py pads them (sequence axes to a
-    multiple of 8; rows = the [b, hq, 3, *] m / r / D statistics padded to whole q blocks)."""
+    multiple of 8; rows = the [b, hq, 3, *] m / r / D statistics padded to whole q blocks).
+
+    Under jax.vmap the vmapped axis is folded into the batch axis (one kernel launch with a
+    larger batch). The generic rule of plgpu.kernel would add a grid axis instead, and the
+    semaphores, indexed by (batch, q head, q block) and shared by the whole grid, would then be
+    counted by the tiles of every vmapped instance at once: a tile could add before the tile
+    ahead of it had stored.
+    """
+    return _batch_folded(functools.partial(_fused, spec=spec, cfg=cfg))(q, k, v, do, rows)
+
+
+def _batch_folded(fn):
+    """fn(*arrays), every array with the batch on axis 0, with jax.vmap folded into that axis."""
+    @custom_batching.custom_vmap
+    def run(*args):
+        return fn(*args)
+
+    @run.def_vmap
+    def _rule(axis_size, in_batched, *args):
+        merged = []
+        for x, batched in zip(args, in_batched):
+            if not batched:
+                x = jnp.broadcast_to(x, (axis_size,) + x.shape)
+            merged.append(x.reshape((axis_size * x.shape[1],) + x.shape[2:]))
+        outs = run(*merged)
+        outs = tuple(o.reshape((axis_size, o.shape[0] // axis_size) + o.shape[1:])
+                     for o in outs)
+        return outs, (True,) * len(outs)
+
+    return run
+
+
+def _fused(q, k, v, do, rows, *, spec: AttentionSpec, cfg):
     batch, seq_q8, q_heads, head_dim = q.shape
     kv_heads = k.shape[2]
     group = q_heads // kv_heads
