@@ -166,19 +166,12 @@ def test_lowers_for_sm90(d, causal, options):
 def _largest_value(jaxpr) -> int:
     """Elements of the largest array any equation of `jaxpr` (or of the jaxprs inside it, the
     kernel bodies included) produces."""
-    def inner(param):
-        if isinstance(param, (tuple, list)):
-            return [j for p in param for j in inner(p)]
-        param = getattr(param, "jaxpr", param)
-        return [param] if hasattr(param, "eqns") else []
-
     largest = 0
     for eqn in jaxpr.eqns:
         for var in eqn.outvars:
             largest = max(largest, int(np.prod(getattr(var.aval, "shape", ()))))
-        for param in eqn.params.values():
-            for sub in inner(param):
-                largest = max(largest, _largest_value(sub))
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            largest = max(largest, _largest_value(sub))
     return largest
 
 
