@@ -191,6 +191,7 @@ def test_materializes_nothing_quadratic():
     assert _largest_value(ref) >= seq * seq
 
 
+@needs_hopper
 def test_vmap_folds_into_the_batch():
     """jax.vmap (the guarded "auto" path vmaps the kernel it picks) becomes a larger batch of
     one launch: the semaphores are indexed by batch, so instances must not share them. Each
