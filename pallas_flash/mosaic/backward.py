@@ -288,10 +288,7 @@ def _dkdv_body(q_ref, k_ref, v_ref, do_ref, st_ref, q_ids_ref, kv_ids_ref, cta_s
     # rows are never stored, but the mask keeps their P at 0 all the same.
     kv_len = mask.seq_kv if mask.seq_kv % WG_ROWS else None
 
-    tile = lax.axis_index("tile")
-    kv_head = lax.axis_index("head")
-    batch = lax.axis_index("batch")
-    wg = lax.axis_index("wg")
+    tile, kv_head, batch, wg = grid_position(mask)
     kv_start = tile * cta_rows
 
     # The q blocks the CTA needs for any of its keys: MaskSpec's bounds (window, causal,

@@ -99,12 +99,13 @@ def streamed_range(bounds, seg_ref, batch, block):
     return lo, hi
 
 
-def grid_position(mask, n_tiles: int):
-    """(tile, head, batch, warpgroup) of this program. With a causal bound (mask.right set),
-    tiles run last-first: the last query rows see the most keys, and starting the longest CTAs
-    first keeps the tail of the grid short."""
+def grid_position(mask, n_tiles: int | None = None):
+    """(tile, head, batch, warpgroup) of this program. For query-tile kernels (n_tiles given)
+    with a causal bound (mask.right set), tiles run last-first: the last query rows see the most
+    keys, and starting the longest CTAs first keeps the tail of the grid short. Key-tile kernels
+    give no n_tiles: their first tiles are the longest already."""
     tile = lax.axis_index("tile")
-    if mask.right is not None:
+    if n_tiles is not None and mask.right is not None:
         tile = (n_tiles - 1) - tile
     return tile, lax.axis_index("head"), lax.axis_index("batch"), lax.axis_index("wg")
 

@@ -66,7 +66,8 @@ from jax import custom_batching, lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_flash.mosaic.common import SMEM_LIMIT, clamp_range, stream_through_slots
+from pallas_flash.mosaic.common import (SMEM_LIMIT, clamp_range, grid_position,
+                                       stream_through_slots)
 from pallas_flash.mosaic.tiles import WG_ROWS, positions, product, transposed_weights, zeros_acc
 from pallas_flash.spec import AttentionSpec
 from pallas_flash.stats import LOG2E, logit_scale
@@ -148,10 +149,7 @@ def _fused_body(q_ref, k_ref, v_ref, do_ref, st_ref, dk_ref, dv_ref, dq_ref,
     c = logit_scale(spec) * LOG2E
     kv_len = mask.seq_kv if mask.seq_kv % WG_ROWS else None
 
-    tile = lax.axis_index("tile")
-    kv_head = lax.axis_index("head")
-    batch = lax.axis_index("batch")
-    wg = lax.axis_index("wg")
+    tile, kv_head, batch, wg = grid_position(mask)
     kv_start = tile * CTA_KEYS
 
     # The q blocks any key of the CTA sees; each is streamed once per q head, last block first.
