@@ -110,11 +110,6 @@ class MosaicBackwardConfig:
         no segment ids, dkdv_block_q 64); elsewhere the two kernels run.
     fused_stages: shared-memory slots of the fused kernel's Q / dO stream (>= 2).
     fused_dq_slots: float32 dQ tiles in flight to the writer warpgroup in the fused kernel.
-    fused_head_chunk: kv heads per launch group of the fused kernel. 1: all tiles of one head
-        launch before the next head's (their float32 dQ sums share L2). C > 1: C heads' tiles
-        interleave, tile by tile, so the long tiles of a causal mask start before the short
-        ones across C heads and the grid's tail shortens, at C times the dQ footprint in L2.
-        Taken as gcd(C, kv_heads), so that groups are whole.
     """
 
     dkdv_block_q: int = 64
@@ -127,7 +122,6 @@ class MosaicBackwardConfig:
     fused: bool = False
     fused_stages: int = 2
     fused_dq_slots: int = 1
-    fused_head_chunk: int = 1
 
     def __post_init__(self):
         for name in ("dkdv_block_q", "dq_block_kv"):
@@ -142,9 +136,6 @@ class MosaicBackwardConfig:
         if self.fused_dq_slots not in (1, 2):
             raise ValueError("MosaicBackwardConfig.fused_dq_slots must be 1 or 2, "
                              f"got {self.fused_dq_slots}")
-        if not isinstance(self.fused_head_chunk, int) or self.fused_head_chunk < 1:
-            raise ValueError("MosaicBackwardConfig.fused_head_chunk must be an int >= 1, "
-                             f"got {self.fused_head_chunk!r}")
         if self.dq_compute_wgs not in (1, 2):
             raise ValueError("MosaicBackwardConfig.dq_compute_wgs must be 1 or 2, "
                              f"got {self.dq_compute_wgs}")

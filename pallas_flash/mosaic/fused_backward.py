@@ -58,7 +58,6 @@ and ran the same tests compiled on the H200 (NOTES.md runs 19-23).
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -136,35 +135,12 @@ def _first_tiles(mask, n_qblocks: int):
     return lo, hi
 
 
-def _head_chunk(cfg, kv_heads: int) -> int:
-    return math.gcd(cfg.fused_head_chunk, kv_heads)
-
-
-def _grid(cfg, kv_heads: int, n_tiles: int, batch: int):
-    """(grid, grid_names). Pallas launches the last grid axis fastest, so tiles of one (head,
-    batch) launch in increasing order either way (a tile waits only on lower ones)."""
-    chunk = _head_chunk(cfg, kv_heads)
-    if chunk == 1:
-        return (kv_heads, n_tiles, batch), ("head", "tile", "batch")
-    return (kv_heads // chunk, n_tiles, chunk * batch), ("chunk", "tile", "inner")
-
-
-def _position(mask, chunk: int, batch: int):
-    """(tile, kv head, batch, warpgroup) of this program under `_grid`'s launch order."""
-    if chunk == 1:
-        return grid_position(mask)
-    inner = lax.axis_index("inner")
-    head = lax.axis_index("chunk") * chunk + lax.div(inner, jnp.int32(batch))
-    return (lax.axis_index("tile"), head, lax.rem(inner, jnp.int32(batch)),
-            lax.axis_index("wg"))
-
-
 def _fused_body(q_ref, k_ref, v_ref, do_ref, st_ref, dk_ref, dv_ref, dq_ref,
                 k_smem, v_smem, q_smem, do_smem, st_smem, ds_smem, dq_smem,
                 k_loaded, v_loaded, q_loaded, do_loaded, st_loaded, slot_free,
                 ds_ready, dq_ready, dq_free, both_done, *interp_smem,
                 spec: AttentionSpec, cfg, group: int, head_dim: int, q_heads: int,
-                n_qblocks: int, chunk: int):
+                n_qblocks: int):
     mask = spec.mask
     dtype = q_ref.dtype
     stages, slots = cfg.fused_stages, cfg.fused_dq_slots
@@ -173,7 +149,7 @@ def _fused_body(q_ref, k_ref, v_ref, do_ref, st_ref, dk_ref, dv_ref, dq_ref,
     c = logit_scale(spec) * LOG2E
     kv_len = mask.seq_kv if mask.seq_kv % WG_ROWS else None
 
-    tile, kv_head, batch, wg = _position(mask, chunk, dq_ref.shape[0])
+    tile, kv_head, batch, wg = grid_position(mask)
     kv_start = tile * CTA_KEYS
 
     # The q blocks any key of the CTA sees; each is streamed once per q head, last block first.
@@ -460,11 +436,9 @@ def _fused(q, k, v, do, rows, *, spec: AttentionSpec, cfg):
                     plgpu.SMEM((BLOCK_Q, head_dim), jnp.float32),
                     plgpu.Barrier()]
     kv_shape = jax.ShapeDtypeStruct(k.shape, dtype)
-    grid, grid_names = _grid(cfg, kv_heads, n_tiles, batch)
     dk, dv, dq_sum = plgpu.kernel(
         functools.partial(_fused_body, spec=spec, cfg=cfg, group=group, head_dim=head_dim,
-                          q_heads=q_heads, n_qblocks=n_qblocks,
-                          chunk=_head_chunk(cfg, kv_heads)),
+                          q_heads=q_heads, n_qblocks=n_qblocks),
         out_type=(kv_shape, kv_shape, jax.ShapeDtypeStruct(q.shape, jnp.float32)),
         scratch_types=scratch,
         # Pallas launches the last grid axis fastest: here batch, then tile, then head. Tiles
@@ -473,9 +447,9 @@ def _fused(q, k, v, do, rows, *, spec: AttentionSpec, cfg):
         # rows while those stay in L2. Measured on the H200 (2x8192x16, non-causal / causal
         # TFLOP/s): this order 503.6 / 443.1 (run 19); tile slowest 450.4 / 450.6 (run 21: a
         # wave spans 32 heads, and their dQ sums, 128 MB, no longer fit L2); tile fastest
-        # 494.1 / 412.5 (run 20). cfg.fused_head_chunk interleaves a few heads (`_grid`).
-        grid=grid,
-        grid_names=grid_names,
+        # 494.1 / 412.5 (run 20).
+        grid=(kv_heads, n_tiles, batch),
+        grid_names=("head", "tile", "batch"),
         num_threads=4,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
