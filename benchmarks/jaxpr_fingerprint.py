@@ -10,7 +10,7 @@ new compiled run. Any other kernel change does. Each line has two hashes: of the
 launches alone (their equations, bodies included), and of the whole program around them (the
 XLA glue: padding, the D = rowsum(dO O) pass, casts); a change to the glue alone moves only
 the second. The configs
-cover both backward designs (two kernels; fused, column and key split), the forward, masks,
+cover both backward designs (two kernels; fused, column split and turns), the forward, masks,
 softcap, segment ids, partial tiles and both compile modes (sm_90 and interpret).
 """
 

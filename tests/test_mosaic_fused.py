@@ -84,9 +84,9 @@ CASES = [
                  id="window-softcap"),
     # No mask: every tile adds to every q block, three tiles deep.
     pytest.param(1, 192, 384, 2, 1, 128, dict(), id="full"),
-    # head_dim 64: the key split (each warpgroup's partial over its own keys, two adds per
-    # tile); causal GQA with partial tiles.
-    pytest.param(1, 200, 250, 4, 2, 64, dict(causal=True), id="key-split-d64"),
+    # head_dim 64: the warpgroups take turns at the whole dQ product (`alternates`); causal
+    # GQA with partial tiles.
+    pytest.param(1, 200, 250, 4, 2, 64, dict(causal=True), id="turns-d64"),
 ]
 
 

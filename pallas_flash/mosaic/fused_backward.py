@@ -25,8 +25,8 @@ The CTA. 128 key rows, four warpgroups:
     (S^T = K Q^T, P^T, dP^T = V dO^T, dS^T; dV += P^T dO, dK += dS^T Q). Each writes its dS^T
     (64 keys x 64 queries) to shared memory, and after a barrier both halves are there, each
     computes half the *columns* of dQ_partial = dS K over all 128 keys (64 x head_dim / 2,
-    float32) and stores it to the shared dQ tile (at head_dim 64: each computes all columns
-    over its own 64 keys, and both partials go to the writer);
+    float32) and stores it to the shared dQ tile (at head_dim 64 they take turns instead, one
+    step each, the whole tile: `alternates`);
   * one copy warpgroup streams Q, dO and the row statistics (as in backward.py);
   * one writer warpgroup moves each finished dQ tile to global memory in turn: semaphore wait,
     TMA store or TMA reduce-add (float32, in L2), wait, signal.
@@ -35,9 +35,8 @@ reads step s's halves); the dQ tile has `fused_dq_slots` slots.
 
 Where it serves: bfloat16, head_dim 128 (the default there) and 64, no segment ids
 (backward.py falls back to the two-kernel path otherwise; see `unsupported_reason`). At
-head_dim 64 the warpgroups split the dQ product by keys instead of columns (`splits_keys`);
-that variant has passed the interpret-mode and sm_90 lowering tests but has not yet run
-compiled, so it is opt-in (MosaicBackwardConfig(dkdv_block_q=64, fused=True)). float16 would
+head_dim 64 it is opt-in (MosaicBackwardConfig(dkdv_block_q=64, fused=True)) until it beats
+the two-kernel backward there (NOTES.md). float16 would
 need the per-row rescale of dS (backward.py's `_cast_rows`) folded into dQ; segment ids make
 the contributing tiles of a q block data-dependent, not a range the kernel can compute;
 head_dim 256 does not fit shared memory in this layout.
@@ -83,15 +82,18 @@ HEAD_DIMS = (64, 128)
 REGISTER_POOL = 4 * 128
 
 
-def splits_keys(head_dim: int) -> bool:
-    """How the two compute warpgroups share the dQ product dS K (64 q rows x head_dim).
+def alternates(head_dim: int) -> bool:
+    """How the two compute warpgroups share the dQ product dS K (64 q rows x head_dim, over
+    the CTA's 128 keys), once both have put their dS^T in shared memory.
 
-    By columns (head_dim 128): each takes head_dim / 2 columns over all 128 keys, so each needs
-    the other's dS^T (exchanged through shared memory, a barrier per step). By keys (head_dim
-    64): each sums over its own 64 keys, all columns, and the writer adds both partials. The
-    column split would slice K into 32-column halves at head_dim 64, which Mosaic's layout
-    inference refuses (jax 0.11.2); the key split at 128 would hold a 64 x 128 float32
-    accumulator beside dK and dV."""
+    By columns (head_dim 128): each takes head_dim / 2 columns, every step. By turns (head_dim
+    64): the warpgroup whose index is the step's parity takes the whole product, the other
+    none. The column split would slice K into 32-column halves at head_dim 64, which Mosaic's
+    layout inference refuses (jax 0.11.2); turns at head_dim 128 would hold a 64 x 128 float32
+    accumulator beside dK and dV, over the register budget. (A split by keys, each warpgroup
+    summing over its own 64 keys and the writer adding both partials, ran slower than the
+    two-kernel backward at head_dim 64: 254 / 272 TFLOP/s causal / not against 334 / 326,
+    NOTES.md run 25; its writer made two ordered adds per step.)"""
     return head_dim < 128
 
 
@@ -99,12 +101,8 @@ def smem_bytes(head_dim: int, stages: int, dq_slots: int, itemsize: int = 2) -> 
     """Shared memory of the fused kernel without Mosaic's own reserve."""
     kv = 2 * CTA_KEYS * head_dim * itemsize
     stream = stages * (2 * BLOCK_Q * head_dim * itemsize + 3 * BLOCK_Q * 4)
-    if splits_keys(head_dim):
-        ds = CTA_KEYS * BLOCK_Q * itemsize             # each warpgroup's own, one buffer
-        dq = dq_slots * 2 * BLOCK_Q * head_dim * 4     # both partials
-    else:
-        ds = 2 * CTA_KEYS * BLOCK_Q * itemsize         # two parities
-        dq = dq_slots * BLOCK_Q * head_dim * 4
+    ds = 2 * CTA_KEYS * BLOCK_Q * itemsize         # two parities
+    dq = dq_slots * BLOCK_Q * head_dim * 4
     return kv + stream + ds + dq
 
 
@@ -144,8 +142,7 @@ def _fused_body(q_ref, k_ref, v_ref, do_ref, st_ref, dk_ref, dv_ref, dq_ref,
     mask = spec.mask
     dtype = q_ref.dtype
     stages, slots = cfg.fused_stages, cfg.fused_dq_slots
-    cols = head_dim // 2          # dQ columns per compute warpgroup (column split)
-    by_keys = splits_keys(head_dim)
+    by_turns = alternates(head_dim)
     c = logit_scale(spec) * LOG2E
     kv_len = mask.seq_kv if mask.seq_kv % WG_ROWS else None
 
@@ -173,35 +170,17 @@ def _fused_body(q_ref, k_ref, v_ref, do_ref, st_ref, dk_ref, dv_ref, dq_ref,
         my_k, my_v = k_smem.at[w], v_smem.at[w]
         stage = interp_smem[0].at[w] if spec.interpret else None
         shape = (WG_ROWS, BLOCK_Q)
-        # The dQ product reads both key tiles (column split) or this one (key split).
-        if by_keys:
-            plgpu.barrier_wait(k_loaded.at[w])
-        else:
-            plgpu.barrier_wait(k_loaded.at[0])
-            plgpu.barrier_wait(k_loaded.at[1])
+        # dQ columns this warpgroup computes, from col0 (all of them on its turns).
+        cols = head_dim if by_turns else head_dim // 2
+        col0 = 0 if by_turns else w * cols
+        # The dQ product reads both key tiles.
+        plgpu.barrier_wait(k_loaded.at[0])
+        plgpu.barrier_wait(k_loaded.at[1])
         plgpu.barrier_wait(v_loaded.at[w])
 
-        def own_partial(t, ds_t):
-            """Key split: dQ_partial = dS K over this warpgroup's 64 keys, all columns."""
-            ds_smem.at[w][...] = ds_t
-            plgpu.commit_smem()
-
-            def run(acc_ref):
-                plgpu.wgmma(acc_ref, ds_smem.at[w].T, my_k)
-                return acc_ref[...]
-
-            dq = pl.run_scoped(run, plgpu.ACC((BLOCK_Q, head_dim), jnp.float32)) * spec.scale
-            dslot = lax.rem(t, jnp.int32(slots))
-            pl.when(t >= slots)(lambda: plgpu.barrier_wait(dq_free.at[dslot]))
-            dq_smem.at[dslot, w][...] = dq
-            plgpu.commit_smem()
-            plgpu.barrier_arrive(dq_ready.at[dslot])
-
         def exchange(t, ds_t):
-            """Share dS^T, then dQ_partial[:, my columns] = dS K over the CTA's 128 keys."""
-            if by_keys:
-                own_partial(t, ds_t)
-                return
+            """Share dS^T, then this warpgroup's share of dQ_partial = dS K over the CTA's 128
+            keys: its columns (column split) or, on its turn, all of it (`alternates`)."""
             par = lax.rem(t, jnp.int32(2))
             ds_smem.at[par, w][...] = ds_t
             plgpu.commit_smem()
@@ -210,15 +189,36 @@ def _fused_body(q_ref, k_ref, v_ref, do_ref, st_ref, dk_ref, dv_ref, dq_ref,
 
             def run(acc_ref):
                 for rt in range(2):
-                    plgpu.wgmma(acc_ref, ds_smem.at[par, rt].T,
-                                k_smem.at[rt].at[:, pl.ds(w * cols, cols)])
+                    k_tile = k_smem.at[rt] if by_turns else k_smem.at[rt].at[:, pl.ds(col0, cols)]
+                    plgpu.wgmma(acc_ref, ds_smem.at[par, rt].T, k_tile)
                 return acc_ref[...]
 
-            dq = pl.run_scoped(run, plgpu.ACC((BLOCK_Q, cols), jnp.float32)) * spec.scale
-            dslot = lax.rem(t, jnp.int32(slots))
-            pl.when(t >= slots)(lambda: plgpu.barrier_wait(dq_free.at[dslot]))
-            dq_smem.at[dslot].at[:, pl.ds(w * cols, cols)][...] = dq
-            plgpu.commit_smem()
+            def slot_released():
+                dslot = lax.rem(t, jnp.int32(slots))
+                # Every waiter observes every release (barrier phases are counted per waiter),
+                # so in turns both warpgroups wait, the one that writes and the one that does not.
+                pl.when(t >= slots)(lambda: plgpu.barrier_wait(dq_free.at[dslot]))
+                return dslot
+
+            def product_to_slot():
+                dq = pl.run_scoped(run, plgpu.ACC((BLOCK_Q, cols), jnp.float32)) * spec.scale
+                dslot = slot_released()
+                dq_smem.at[dslot].at[:, pl.ds(col0, cols)][...] = dq
+                plgpu.commit_smem()
+                return dslot
+
+            if by_turns:
+                @pl.when(par == w)
+                def _my_turn():
+                    product_to_slot()
+
+                @pl.when(par != w)
+                def _not_my_turn():
+                    slot_released()
+
+                dslot = lax.rem(t, jnp.int32(slots))
+            else:
+                dslot = product_to_slot()
             plgpu.barrier_arrive(dq_ready.at[dslot])
 
         def step(h, i, carry, masked: bool):
@@ -327,38 +327,25 @@ def _fused_body(q_ref, k_ref, v_ref, do_ref, st_ref, dk_ref, dv_ref, dq_ref,
             first = mask.kv_blocks(j * BLOCK_Q, BLOCK_Q, CTA_KEYS, mask.seq_kv)[0]
             rank = tile - first  # tiles that add to this q block before this one
             plgpu.barrier_wait(dq_ready.at[dslot])
-            # One tile (column split) or the two warpgroups' partials (key split), added in
-            # this order; each lands before the next is sent (two bulk adds to the same rows in
-            # flight at once could apply in either order).
-            parts = [src.at[0], src.at[1]] if by_keys else [src]
             if spec.interpret:
                 acc_smem, acc_loaded = interp_smem[1], interp_smem[2]
-                for n, part in enumerate(parts):
 
-                    def add_previous(part=part):
-                        plgpu.copy_gmem_to_smem(dq_ref.at[rows], acc_smem, acc_loaded)
-                        plgpu.barrier_wait(acc_loaded)
-                        part[...] = part[...] + acc_smem[...]
-                        plgpu.commit_smem()
+                def add_previous():
+                    plgpu.copy_gmem_to_smem(dq_ref.at[rows], acc_smem, acc_loaded)
+                    plgpu.barrier_wait(acc_loaded)
+                    src[...] = src[...] + acc_smem[...]
+                    plgpu.commit_smem()
 
-                    if n == 0:
-                        pl.when(rank > 0)(add_previous)
-                    else:
-                        add_previous()
-                    plgpu.copy_smem_to_gmem(part, dq_ref.at[rows])
-                    plgpu.wait_smem_to_gmem(0)
+                pl.when(rank > 0)(add_previous)
+                plgpu.copy_smem_to_gmem(src, dq_ref.at[rows])
+                plgpu.wait_smem_to_gmem(0)
             else:
                 flag = sem.at[(batch * q_heads + q_head) * n_qblocks + j]
                 plgpu.semaphore_wait(flag, rank, decrement=False, memory_scope="gpu")
-                for n, part in enumerate(parts):
-                    if n == 0:
-                        pl.when(rank == 0)(
-                            lambda part=part: plgpu.copy_smem_to_gmem(part, dq_ref.at[rows]))
-                        pl.when(rank > 0)(lambda part=part: plgpu.copy_smem_to_gmem(
-                            part, dq_ref.at[rows], reduction_op="add"))
-                    else:
-                        plgpu.copy_smem_to_gmem(part, dq_ref.at[rows], reduction_op="add")
-                    plgpu.wait_smem_to_gmem(0)  # the sum has landed
+                pl.when(rank == 0)(lambda: plgpu.copy_smem_to_gmem(src, dq_ref.at[rows]))
+                pl.when(rank > 0)(lambda: plgpu.copy_smem_to_gmem(
+                    src, dq_ref.at[rows], reduction_op="add"))
+                plgpu.wait_smem_to_gmem(0)  # the sum has landed
                 plgpu.semaphore_signal(flag, 1, memory_scope="gpu")  # the next tile may add
             plgpu.barrier_arrive(dq_free.at[dslot])
 
@@ -408,18 +395,14 @@ def _fused(q, k, v, do, rows, *, spec: AttentionSpec, cfg):
     stages, slots = cfg.fused_stages, cfg.fused_dq_slots
     n_tiles = pl.cdiv(mask.seq_kv, CTA_KEYS)
     n_qblocks = pl.cdiv(mask.seq_q, BLOCK_Q)
-    by_keys = splits_keys(head_dim)
     scratch = [
         plgpu.SMEM((2, WG_ROWS, head_dim), dtype),           # K
         plgpu.SMEM((2, WG_ROWS, head_dim), dtype),           # V
         plgpu.SMEM((stages, BLOCK_Q, head_dim), dtype),      # Q stream
         plgpu.SMEM((stages, BLOCK_Q, head_dim), dtype),      # dO stream
         plgpu.SMEM((stages, 3, BLOCK_Q), jnp.float32),       # m, r, D stream
-        # dS^T [parity, key tile] (column split) or [warpgroup] (key split)
-        plgpu.SMEM((2, WG_ROWS, BLOCK_Q) if by_keys else (2, 2, WG_ROWS, BLOCK_Q), dtype),
-        # dQ tiles, or both partials of each (key split)
-        plgpu.SMEM((slots, 2, BLOCK_Q, head_dim) if by_keys else (slots, BLOCK_Q, head_dim),
-                   jnp.float32),
+        plgpu.SMEM((2, 2, WG_ROWS, BLOCK_Q), dtype),         # dS^T [parity, key tile]
+        plgpu.SMEM((slots, BLOCK_Q, head_dim), jnp.float32), # dQ tiles
         plgpu.Barrier(num_barriers=2),
         plgpu.Barrier(num_barriers=2),
         plgpu.Barrier(num_barriers=stages),
