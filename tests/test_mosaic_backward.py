@@ -168,8 +168,9 @@ def test_float16_ds_does_not_overflow():
 
 
 def test_staged_kernels_carry_their_names():
-    args = backward_args(1, 128, 128, 2, 1, 64, jnp.bfloat16)
-    spec = mosaic_spec(128, 128, 64, jnp.bfloat16, causal=True, interpret=False)
+    # float16: the two-kernel backward (bfloat16 at head_dim 64 and 128 runs the fused kernel).
+    args = backward_args(1, 128, 128, 2, 1, 64, jnp.float16)
+    spec = mosaic_spec(128, 128, 64, jnp.float16, causal=True, interpret=False)
     names = kernel_names(lambda *a: mosaic.backward(spec, *a), *args)
     assert names == {mosaic.DKDV_KERNEL_NAME, mosaic.DQ_KERNEL_NAME}, names
     assert mosaic.DKDV_KERNEL_NAME == "pallas_flash_mosaic_bwd_dkdv"

@@ -106,8 +106,9 @@ class MosaicBackwardConfig:
         always has 2 (two 64-row key tiles, or two column halves at head_dim 256).
     compute_registers / copy_registers: per-thread register budgets after the split.
     fused: run dK/dV and dQ in one kernel, dQ summed across key tiles in a fixed order
-        (fused_backward.py), where that kernel serves the call (bfloat16, head_dim 64 / 128,
-        no segment ids, dkdv_block_q 64); elsewhere the two kernels run.
+        (fused_backward.py, 128 keys by 64 queries per step, whatever the two-kernel tiles
+        say), where that kernel serves the call (bfloat16, head_dim 64 / 128, no segment ids);
+        elsewhere the two kernels run, with the tiles above.
     fused_stages: shared-memory slots of the fused kernel's Q / dO stream (>= 2).
     fused_dq_slots: float32 dQ tiles in flight to the writer warpgroup in the fused kernel.
     """
@@ -183,14 +184,19 @@ def default_backward_config(head_dim: int) -> MosaicBackwardConfig:
                     (2 stages: 427 / 426; dK/dV block_q 128: 306 / 317)
       head_dim 256: block_q 64, block_kv 64, 2 stages, 1 dQ warpgroup  335 / 317 (two dQ
                     warpgroups would need 256 KiB of shared memory)
-    At head_dim 128 the fused kernel (fused_backward.py: one kernel, dQ summed across key tiles
-    in a fixed order) runs where it serves (bfloat16, no segment ids), 2 stages, 1 dQ slot (the
-    only fit in shared memory): run 19, 503.6 / 443.1 TFLOP/s against the two kernels'
-    413.0 / 423.8 in the same run (cuDNN 542.2 / 514.0). The two-kernel tiles above serve the
-    rest.
+    The fused kernel (fused_backward.py: one kernel, dQ summed across key tiles in a fixed
+    order) runs where it serves (bfloat16, no segment ids); the two-kernel tiles above serve
+    the rest (float16, segment ids, head_dim 256):
+      head_dim 128: 2 stages, 1 dQ slot (the only fit in shared memory): run 19, 503.6 / 443.1
+                    against the two kernels' 413.0 / 423.8 in the same run (cuDNN 542.2 /
+                    514.0).
+      head_dim 64:  4 stages, 2 dQ slots: run 26, 389.4 / 351.5 against the two kernels'
+                    329.4 / 332.7 (cuDNN 457.8 / 410.3); 3 stages, 2 slots 384.6 / 332.0;
+                    2 stages, 1 slot 370.4 / 293.0 (its writer waits on the compute).
     """
     if head_dim <= 64:
-        return MosaicBackwardConfig(dkdv_block_q=128, dq_block_kv=64)
+        return MosaicBackwardConfig(dkdv_block_q=128, dq_block_kv=64, fused=True,
+                                    fused_stages=4, fused_dq_slots=2)
     if head_dim <= 128:
         return MosaicBackwardConfig(dkdv_block_q=64, dq_block_kv=64, dkdv_stages=3, dq_stages=3,
                                     fused=True)

@@ -34,9 +34,8 @@ dS^T is double-buffered by step parity (a warpgroup may start step s + 1 while t
 reads step s's halves); the dQ tile has `fused_dq_slots` slots.
 
 Where it serves: bfloat16, head_dim 128 (the default there) and 64, no segment ids
-(backward.py falls back to the two-kernel path otherwise; see `unsupported_reason`). At
-head_dim 64 it is opt-in (MosaicBackwardConfig(dkdv_block_q=64, fused=True)) until it beats
-the two-kernel backward there (NOTES.md). float16 would
+(backward.py falls back to the two-kernel path otherwise; see `unsupported_reason`); the
+default at both head_dims (backward.py's default_backward_config). float16 would
 need the per-row rescale of dS (backward.py's `_cast_rows`) folded into dQ; segment ids make
 the contributing tiles of a q block data-dependent, not a range the kernel can compute;
 head_dim 256 does not fit shared memory in this layout.
@@ -115,8 +114,6 @@ def unsupported_reason(spec: AttentionSpec, q, k, cfg) -> str | None:
         return f"dtype {jnp.dtype(q.dtype).name} (the fused kernel takes bfloat16)"
     if head_dim not in HEAD_DIMS:
         return f"head_dim {head_dim} (the fused kernel takes {HEAD_DIMS})"
-    if cfg.dkdv_block_q != BLOCK_Q:
-        return f"dkdv_block_q {cfg.dkdv_block_q} (the fused kernel steps {BLOCK_Q} q rows)"
     del k
     return None
 
@@ -149,18 +146,26 @@ def _fused_body(q_ref, k_ref, v_ref, do_ref, st_ref, dk_ref, dv_ref, dq_ref,
     tile, kv_head, batch, wg = grid_position(mask)
     kv_start = tile * CTA_KEYS
 
-    # The q blocks any key of the CTA sees; each is streamed once per q head, last block first.
+    # The q blocks any key of the CTA sees, last block first; at each block the group's q heads
+    # in turn. Block-major, so that every tile reaches a given (q head, q block) at the same
+    # step index and a tile trails the one below it by one add, as without GQA. (Head-major,
+    # a tile with fewer blocks per head reaches the next head two steps sooner than the tile
+    # below it, which it then waits for: causal GQA 32:8 ran at 0.59x cuDNN that way, NOTES.md
+    # run 26.)
     cta_lo, _, _, cta_hi = mask.q_blocks(kv_start, CTA_KEYS, BLOCK_Q, mask.seq_kv, mask.seq_q)
-    n_cta = cta_hi - cta_lo
-    per_head = jnp.maximum(n_cta, 1)
-    total = group * n_cta
+    total = group * (cta_hi - cta_lo)
 
     def step_of(h, j):
-        return h * n_cta + (cta_hi - 1 - j)
+        if group == 1:
+            return cta_hi - 1 - j
+        return (cta_hi - 1 - j) * group + h
 
     def block_of(t):
         """(q head, q block) of stream step t."""
-        return kv_head * group + lax.div(t, per_head), cta_hi - 1 - lax.rem(t, per_head)
+        if group == 1:
+            return kv_head, cta_hi - 1 - t
+        return (kv_head * group + lax.rem(t, jnp.int32(group)),
+                cta_hi - 1 - lax.div(t, jnp.int32(group)))
 
     def compute(w: int):
         plgpu.set_max_registers(cfg.compute_registers, action="increase")
@@ -262,16 +267,22 @@ def _fused_body(q_ref, k_ref, v_ref, do_ref, st_ref, dk_ref, dv_ref, dq_ref,
             """fn(j, carry) for j = b - 1 down to a."""
             return lax.fori_loop(0, b - a, lambda n, cr: fn(b - 1 - n, cr), carry)
 
-        def head_loop(h, carry):
-            downward(hi, cta_hi, lambda i, _: drain(h, i), None)
-            carry = downward(full_hi, hi, lambda i, cr: step(h, i, cr, True), carry)
-            carry = downward(full_lo, full_hi, lambda i, cr: step(h, i, cr, False), carry)
-            carry = downward(lo, full_lo, lambda i, cr: step(h, i, cr, True), carry)
-            downward(cta_lo, lo, lambda i, _: drain(h, i), None)
-            return carry
+        def heads(fn):
+            """fn(h, i, carry) for the group's q heads in turn, at block i."""
+            if group == 1:
+                return lambda i, cr: fn(0, i, cr)
+            return lambda i, cr: lax.fori_loop(0, group, lambda h, c: fn(h, i, c), cr)
+
+        def drained(h, i, _):
+            drain(h, i)
 
         carry = (zeros_acc(WG_ROWS, head_dim), zeros_acc(WG_ROWS, head_dim))
-        dk, dv = lax.fori_loop(0, group, head_loop, carry)
+        downward(hi, cta_hi, heads(drained), None)
+        carry = downward(full_hi, hi, heads(lambda h, i, cr: step(h, i, cr, True)), carry)
+        carry = downward(full_lo, full_hi, heads(lambda h, i, cr: step(h, i, cr, False)), carry)
+        carry = downward(lo, full_lo, heads(lambda h, i, cr: step(h, i, cr, True)), carry)
+        downward(cta_lo, lo, heads(drained), None)
+        dk, dv = carry
 
         # Observe the writer's last releases (interpret mode checks every phase is awaited).
         lax.fori_loop(jnp.maximum(total - slots, 0), total,
