@@ -96,6 +96,8 @@ def main():
     p.add_argument("--causal", default="0,1", help="comma list of 0/1")
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--seq", type=int, default=8192)
+    p.add_argument("--heads", type=int, default=None, help="q heads (default: the head_dim's)")
+    p.add_argument("--group", type=int, default=1, help="q heads per kv head (GQA)")
     p.add_argument("--fwd-stages", default=None, help="forward stage counts, e.g. 2,3")
     p.add_argument("--fwd-pingpong", default="1,0", help="forward ping-pong, comma list of 0/1")
     p.add_argument("--fwd-overlap", default="0,1", help="forward overlap, comma list of 0/1")
@@ -128,10 +130,11 @@ def main():
             json.dump(record, f, indent=1)
 
     for d in dims:
-        b, s, h = 2, args.seq, HEADS[d]
+        b, s, h = 2, args.seq, args.heads or HEADS[d]
+        hkv = h // args.group
         ks = jax.random.split(jax.random.key(d), 4)
-        q, k, v, do = (jax.random.normal(kk, (b, s, h, d), jnp.float32).astype(jnp.bfloat16)
-                       for kk in ks)
+        q, k, v, do = (jax.random.normal(kk, (b, s, hh, d), jnp.float32).astype(jnp.bfloat16)
+                       for kk, hh in zip(ks, (h, hkv, hkv, h)))
         dlse = jnp.zeros((b, h, s), jnp.float32)
         for causal in (bool(int(c)) for c in args.causal.split(",")):
             fwd_flops = 4 * b * h * s * s * d / (2 if causal else 1)
@@ -139,7 +142,7 @@ def main():
                                  scale=1.0 / math.sqrt(d), softcap=None, has_segments=False,
                                  precision=lax.Precision.DEFAULT,
                                  config=pf.default_config(d, jnp.bfloat16), interpret=False)
-            base = dict(head_dim=d, causal=causal, shape=f"{b}x{s}x{h}x{h}x{d}")
+            base = dict(head_dim=d, causal=causal, shape=f"{b}x{s}x{h}x{hkv}x{d}")
 
             def run(pass_, impl, build, flops, **extra):
                 try:
