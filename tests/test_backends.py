@@ -247,10 +247,11 @@ def test_mosaic_stages_the_mosaic_forward():
     grad_names = kernel_names(
         jax.grad(lambda q: pf.flash_attention(q, k, v, backend="mosaic").astype(
             jnp.float32).sum()), q)
-    assert grad_names == {"pallas_flash_mosaic_fwd", "pallas_flash_mosaic_bwd_dkdv",
-                          "pallas_flash_mosaic_bwd_dq"}, grad_names
+    # bfloat16 without segment ids: the one-kernel backward (fused_backward.py).
+    assert grad_names == {"pallas_flash_mosaic_fwd", "pallas_flash_mosaic_bwd_fused"}, grad_names
     # The Mosaic backward serves everything the Mosaic forward does (softcap, windows, any
-    # length, segment ids / lengths), so no Triton kernel follows it any more.
+    # length, segment ids / lengths), so no Triton kernel follows it any more; lengths become
+    # segment ids, which take the two-kernel backward.
     softcap_names = kernel_names(
         jax.grad(lambda q: pf.flash_attention(
             q[:, :100], k, v, backend="mosaic", softcap=20.0, window=(40, 0),
