@@ -49,6 +49,10 @@ CASES = [
                                                                    dq_block_kv=64)),
     (128, jnp.bfloat16, dict(causal=True, window=(200, None), softcap=30.0,
                              has_segments=True), None),
+    # No position mask: the fused kernel's head-major stream (with GQA; the cases above with a
+    # mask take the block-major one).
+    (128, jnp.bfloat16, dict(), None),
+    (64, jnp.bfloat16, dict(), None),
 ]
 
 

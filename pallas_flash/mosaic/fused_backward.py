@@ -146,26 +146,38 @@ def _fused_body(q_ref, k_ref, v_ref, do_ref, st_ref, dk_ref, dv_ref, dq_ref,
     tile, kv_head, batch, wg = grid_position(mask)
     kv_start = tile * CTA_KEYS
 
-    # The q blocks any key of the CTA sees, last block first; at each block the group's q heads
-    # in turn. Block-major, so that every tile reaches a given (q head, q block) at the same
-    # step index and a tile trails the one below it by one add, as without GQA. (Head-major,
-    # a tile with fewer blocks per head reaches the next head two steps sooner than the tile
-    # below it, which it then waits for: causal GQA 32:8 ran at 0.59x cuDNN that way, NOTES.md
-    # run 26.)
+    # The q blocks any key of the CTA sees, last block first, once per q head of the group.
+    # With a position mask (causal, windows) tiles see different numbers of blocks, and the
+    # stream is block-major (at each block the group's q heads in turn), so that every tile
+    # reaches a given (q head, q block) at the same step index and trails the tile below it by
+    # one add, as without GQA. Head-major, a tile with fewer blocks per head would reach the
+    # next head two steps sooner than the tile below it and wait for it there: causal GQA 32:8
+    # ran at 0.59x cuDNN that way (NOTES.md run 26), block-major at 0.86x (run 27). Without a
+    # position mask every tile sees every block and the orders are the same schedule; there the
+    # stream stays head-major, which ran faster (0.84x against 0.72x, runs 26-27; the
+    # block-major loop nest is the only difference).
+    block_major = group > 1 and mask.has_position_mask
     cta_lo, _, _, cta_hi = mask.q_blocks(kv_start, CTA_KEYS, BLOCK_Q, mask.seq_kv, mask.seq_q)
-    total = group * (cta_hi - cta_lo)
+    n_cta = cta_hi - cta_lo
+    if group > 1 and not block_major:
+        per_head = jnp.maximum(n_cta, 1)
+    total = group * n_cta
 
     def step_of(h, j):
         if group == 1:
             return cta_hi - 1 - j
-        return (cta_hi - 1 - j) * group + h
+        if block_major:
+            return (cta_hi - 1 - j) * group + h
+        return h * n_cta + (cta_hi - 1 - j)
 
     def block_of(t):
         """(q head, q block) of stream step t."""
         if group == 1:
             return kv_head, cta_hi - 1 - t
-        return (kv_head * group + lax.rem(t, jnp.int32(group)),
-                cta_hi - 1 - lax.div(t, jnp.int32(group)))
+        if block_major:
+            return (kv_head * group + lax.rem(t, jnp.int32(group)),
+                    cta_hi - 1 - lax.div(t, jnp.int32(group)))
+        return kv_head * group + lax.div(t, per_head), cta_hi - 1 - lax.rem(t, per_head)
 
     def compute(w: int):
         plgpu.set_max_registers(cfg.compute_registers, action="increase")
@@ -276,13 +288,26 @@ def _fused_body(q_ref, k_ref, v_ref, do_ref, st_ref, dk_ref, dv_ref, dq_ref,
         def drained(h, i, _):
             drain(h, i)
 
+        def head_loop(h, carry):
+            """Head-major: every block of q head h, last first."""
+            downward(hi, cta_hi, lambda i, _: drain(h, i), None)
+            carry = downward(full_hi, hi, lambda i, cr: step(h, i, cr, True), carry)
+            carry = downward(full_lo, full_hi, lambda i, cr: step(h, i, cr, False), carry)
+            carry = downward(lo, full_lo, lambda i, cr: step(h, i, cr, True), carry)
+            downward(cta_lo, lo, lambda i, _: drain(h, i), None)
+            return carry
+
         carry = (zeros_acc(WG_ROWS, head_dim), zeros_acc(WG_ROWS, head_dim))
-        downward(hi, cta_hi, heads(drained), None)
-        carry = downward(full_hi, hi, heads(lambda h, i, cr: step(h, i, cr, True)), carry)
-        carry = downward(full_lo, full_hi, heads(lambda h, i, cr: step(h, i, cr, False)), carry)
-        carry = downward(lo, full_lo, heads(lambda h, i, cr: step(h, i, cr, True)), carry)
-        downward(cta_lo, lo, heads(drained), None)
-        dk, dv = carry
+        if group > 1 and not block_major:
+            dk, dv = lax.fori_loop(0, group, head_loop, carry)
+        else:
+            downward(hi, cta_hi, heads(drained), None)
+            carry = downward(full_hi, hi, heads(lambda h, i, cr: step(h, i, cr, True)), carry)
+            carry = downward(full_lo, full_hi, heads(lambda h, i, cr: step(h, i, cr, False)),
+                             carry)
+            carry = downward(lo, full_lo, heads(lambda h, i, cr: step(h, i, cr, True)), carry)
+            downward(cta_lo, lo, heads(drained), None)
+            dk, dv = carry
 
         # Observe the writer's last releases (interpret mode checks every phase is awaited).
         lax.fori_loop(jnp.maximum(total - slots, 0), total,
