@@ -18,7 +18,10 @@ the grid launches first (grid (head, tile, batch); Pallas launches the last axis
 the spin cannot deadlock. Every tile walks its q blocks from the last down: with causal masks
 all tiles then start on the last q blocks, which every tile sees, and a tile trails the one
 below it by one step instead of by the two-step diagonal offset per tile that an upward walk
-would build up (reasoned from the dependency chain; the upward walk was not timed).
+would build up (reasoned from the dependency chain; the upward walk was not timed). With GQA a
+CTA streams the blocks of every q head of its group; `_fused_body` says in which order.
+Interleaving a few heads' tiles in the launch order, to start a causal grid's long tiles
+first, gained 1.4% at 8k and lost 2% at 16k (NOTES.md run 25): not kept.
 
 The CTA. 128 key rows, four warpgroups:
   * two compute warpgroups, 64 key rows each, in the transposed orientation of backward.py
@@ -33,15 +36,17 @@ The CTA. 128 key rows, four warpgroups:
 dS^T is double-buffered by step parity (a warpgroup may start step s + 1 while the other still
 reads step s's halves); the dQ tile has `fused_dq_slots` slots.
 
-Where it serves: bfloat16, head_dim 128 (the default there) and 64, no segment ids
-(backward.py falls back to the two-kernel path otherwise; see `unsupported_reason`); the
-default at both head_dims (backward.py's default_backward_config). float16 would
+Where it serves: bfloat16, head_dim 128 and 64, no segment ids (backward.py falls back to the
+two-kernel path otherwise; see `unsupported_reason`); the default at both head_dims
+(backward.py's default_backward_config). float16 would
 need the per-row rescale of dS (backward.py's `_cast_rows`) folded into dQ; segment ids make
 the contributing tiles of a q block data-dependent, not a range the kernel can compute;
 head_dim 256 does not fit shared memory in this layout.
 
-Speed (H200, 2x8192x16x128, kernel alone, NOTES.md runs 19-24): 492-504 TFLOP/s non-causal and
-443-447 causal (0.93 / 0.86-0.88x cuDNN); the two-kernel backward ran 413-428 / 421-424.
+Speed (H200, batch 2, seq 8192, kernel alone, non-causal / causal TFLOP/s; NOTES.md runs
+19-27): 16 heads at head_dim 128 492-504 / 443-447 (0.87-0.93 / 0.86-0.88x cuDNN; the two
+kernels 413-428 / 421-429); 32 heads at head_dim 64 389 / 352 (0.85 / 0.86x; two kernels 329 /
+333); GQA 32:8 at head_dim 128 causal 460 (0.90x; two kernels 429).
 
 The partials are scaled before they are summed; the float32 sum is cast in XLA after the
 kernel, and q blocks no tile sees (never written) are zeroed there.
@@ -50,7 +55,7 @@ CPU testing: the Mosaic GPU interpreter allocates no semaphores and has no TMA r
 runs the grid one CTA after another in index order, so the tiles of a q block arrive in the
 kernel's order anyway; there the writer reads the previous sum, adds, and stores. The compiled
 path (semaphores, reduce-add, registers) is covered on the CPU by the sm_90 lowering test only,
-and ran the same tests compiled on the H200 (NOTES.md runs 19-23).
+and ran the same tests compiled on the H200 (NOTES.md runs 19-28).
 """
 
 from __future__ import annotations
