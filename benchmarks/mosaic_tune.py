@@ -95,7 +95,9 @@ def main():
     p.add_argument("--passes", default="fwd,bwd")
     p.add_argument("--causal", default="0,1", help="comma list of 0/1")
     p.add_argument("--iters", type=int, default=10)
-    p.add_argument("--seq", type=int, default=8192)
+    p.add_argument("--seq", default="8192",
+                   help="sequence length, or a comma list (e.g. 4096,8192,16384: per-step and "
+                        "per-CTA costs separate across lengths)")
     p.add_argument("--heads", type=int, default=None, help="q heads (default: the head_dim's)")
     p.add_argument("--group", type=int, default=1, help="q heads per kv head (GQA)")
     p.add_argument("--fwd-stages", default=None, help="forward stage counts, e.g. 2,3")
@@ -129,8 +131,8 @@ def main():
         with open(path, "w") as f:
             json.dump(record, f, indent=1)
 
-    for d in dims:
-        b, s, h = 2, args.seq, args.heads or HEADS[d]
+    for d, s in itertools.product(dims, (int(x) for x in args.seq.split(","))):
+        b, h = 2, args.heads or HEADS[d]
         hkv = h // args.group
         ks = jax.random.split(jax.random.key(d), 4)
         q, k, v, do = (jax.random.normal(kk, (b, s, hh, d), jnp.float32).astype(jnp.bfloat16)
@@ -177,20 +179,20 @@ def main():
                     run("bwd", "mosaic", lambda cfg=cfg: (jax.jit(
                         lambda *a: mb.backward(spec, *a, config=cfg)),
                         (q, k, v, out, st, do, dlse)), 2.5 * fwd_flops, config=repr(cfg))
-    # The best Mosaic config per (head_dim, causal, pass), as a summary.
+    # The best Mosaic config per (shape, causal, pass), as a summary.
     best = {}
     for r in record["rows"]:
         if r["impl"] == "mosaic" and "tflops" in r:
-            key = (r["head_dim"], r["causal"], r["pass_"])
+            key = (r["shape"], r["causal"], r["pass_"])
             if key not in best or r["tflops"] > best[key]["tflops"]:
                 best[key] = r
-    cud = {(r["head_dim"], r["causal"], r["pass_"]): r.get("tflops")
+    cud = {(r["shape"], r["causal"], r["pass_"]): r.get("tflops")
            for r in record["rows"] if r["impl"] == "cudnn"}
     print("\nbest per case:")
     for key, r in sorted(best.items()):
         c = cud.get(key)
         ratio = f"{r['tflops'] / c:.2f}" if c else "-"
-        print(f"  d{key[0]} {'causal' if key[1] else 'full  '} {key[2]}: {r['tflops']} TFLOP/s "
+        print(f"  {key[0]} {'causal' if key[1] else 'full  '} {key[2]}: {r['tflops']} TFLOP/s "
               f"(cuDNN {c}, x{ratio}) {r['config']}")
 
 
