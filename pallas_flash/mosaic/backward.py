@@ -79,8 +79,9 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_flash.masking import PAD_KEY_ID, PAD_QUERY_ID, segment_block_ranges
 from pallas_flash.mosaic import fused_backward
-from pallas_flash.mosaic.common import (SMEM_LIMIT, SMEM_RESERVED, clamp_range, grid_position, logit_units,
-                                       narrowed, pad_seq, stream_through_slots, streamed_range,
+from pallas_flash.mosaic.common import (SMEM_LIMIT, SMEM_RESERVED, clamp_range, grid_position,
+                                       logit_units, narrowed, pad_seq, query_tile_position,
+                                       stream_through_slots, streamed_range,
                                        unsupported_operands)
 from pallas_flash.mosaic.tiles import (WG_ROWS, bcast_cols, bcast_rows, idiv, matmul, positions, product,
                                       row_vector, transposed_weights, zeros_acc)
@@ -460,12 +461,8 @@ def _dq_body(q_ref, k_ref, v_ref, do_ref, st_ref, q_ids_ref, kv_ids_ref, cta_seg
     # Keys past seq_kv (zeros from the TMA) exist only in a partial last key block.
     kv_len = mask.seq_kv if mask.seq_kv % block_kv else None
 
-    tile, head, batch, wg = grid_position(mask, n_tiles)
-    cta_start = tile * cta_rows
-
-    # Key blocks the CTA needs for any of its rows; the copy warpgroup streams exactly these.
-    cta_lo, cta_hi = streamed_range(mask.kv_blocks(cta_start, cta_rows, block_kv, mask.seq_kv),
-                                    cta_seg_ref, batch, tile)
+    tile, head, batch, wg, cta_start, cta_lo, cta_hi = query_tile_position(
+        mask, n_tiles, cta_rows, block_kv, cta_seg_ref)
     n_steps = cta_hi - cta_lo
 
     def slot_of(j):

@@ -110,6 +110,20 @@ def grid_position(mask, n_tiles: int | None = None):
     return tile, lax.axis_index("head"), lax.axis_index("batch"), lax.axis_index("wg")
 
 
+def query_tile_position(mask, n_tiles: int, cta_rows: int, block_kv: int, seg_ref):
+    """(tile, head, batch, warpgroup, cta_start, cta_lo, cta_hi) of a query-tile kernel's
+    program (forward, dQ): its position (`grid_position`, last tile first under a causal bound),
+    its first query row, and the key blocks [cta_lo, cta_hi) its copy warpgroup streams: those
+    any of its rows needs (MaskSpec.kv_blocks), narrowed by the segment range where there are
+    ids. Each compute warpgroup consumes every streamed block (computing its own sub-range,
+    draining the rest), so the barriers stay in step."""
+    tile, head, batch, wg = grid_position(mask, n_tiles)
+    cta_start = tile * cta_rows
+    cta_lo, cta_hi = streamed_range(mask.kv_blocks(cta_start, cta_rows, block_kv, mask.seq_kv),
+                                    seg_ref, batch, tile)
+    return tile, head, batch, wg, cta_start, cta_lo, cta_hi
+
+
 def stream_through_slots(issue, slot_free, stages: int, total):
     """The copy warpgroup's loop over `total` stream steps in `stages` shared-memory slots:
     issue(t, slot) for the first `stages` steps at once, then each later step once the compute

@@ -87,8 +87,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_flash.masking import PAD_KEY_ID, PAD_QUERY_ID, segment_block_ranges
-from pallas_flash.mosaic.common import (SMEM_LIMIT, SMEM_RESERVED, clamp_range, grid_position, logit_units,
-                                       narrowed, pad_seq, streamed_range,
+from pallas_flash.mosaic.common import (SMEM_LIMIT, SMEM_RESERVED, clamp_range, logit_units,
+                                       narrowed, pad_seq, query_tile_position,
                                        unsupported_operands)
 from pallas_flash.spec import AttentionSpec
 from pallas_flash.stats import LOG2E, RowStats, logit_scale
@@ -205,15 +205,8 @@ def _kernel_body(q_ref, k_ref, v_ref, q_ids_ref, kv_ids_ref, cta_seg_ref, wg_seg
     # the mask exactly when such a block exists.
     kv_len = mask.seq_kv if mask.seq_kv % block_kv else None
 
-    tile, head, batch, wg = grid_position(mask, n_tiles)
-    cta_start = tile * cta_rows
-
-    # Key blocks the CTA needs at all: MaskSpec's bounds for all of its rows. The copy
-    # warpgroup streams exactly these, and each compute warpgroup consumes every one of them
-    # (computing its own sub-range, draining the rest), so the barriers stay in step.
-    # With segment ids, only key blocks whose ids may match a query id of the tile.
-    cta_lo, cta_hi = streamed_range(mask.kv_blocks(cta_start, cta_rows, block_kv, mask.seq_kv),
-                                    cta_seg_ref, batch, tile)
+    tile, head, batch, wg, cta_start, cta_lo, cta_hi = query_tile_position(
+        mask, n_tiles, cta_rows, block_kv, cta_seg_ref)
     n_steps = cta_hi - cta_lo
 
     def slot_of(j):
