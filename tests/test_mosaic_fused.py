@@ -87,6 +87,9 @@ CASES = [
     # head_dim 64: the warpgroups take turns at the whole dQ product (`alternates`); causal
     # GQA with partial tiles.
     pytest.param(1, 200, 250, 4, 2, 64, dict(causal=True), id="turns-d64"),
+    # No mask, GQA: the head-major stream (block-major is for position masks), with turns and
+    # partial tiles on both axes.
+    pytest.param(1, 136, 200, 4, 2, 64, dict(), id="full-partial-gqa-d64"),
 ]
 
 
