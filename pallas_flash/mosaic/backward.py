@@ -112,9 +112,6 @@ class MosaicBackwardConfig:
         elsewhere the two kernels run, with the tiles above.
     fused_stages: shared-memory slots of the fused kernel's Q / dO stream (>= 2).
     fused_dq_slots: float32 dQ tiles in flight to the writer warpgroup in the fused kernel.
-    fused_persistent: one fused CTA per SM, each walking a list of key tiles
-        (fused_backward.schedule), instead of one CTA per key tile: the next tile's Q / dO
-        stream starts while the last one's dK / dV are stored.
     """
 
     dkdv_block_q: int = 64
@@ -127,7 +124,6 @@ class MosaicBackwardConfig:
     fused: bool = False
     fused_stages: int = 2
     fused_dq_slots: int = 1
-    fused_persistent: bool = False
 
     def __post_init__(self):
         for name in ("dkdv_block_q", "dq_block_kv"):

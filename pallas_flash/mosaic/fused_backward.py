@@ -61,7 +61,6 @@ and ran the same tests compiled on the H200 (NOTES.md runs 19-28).
 from __future__ import annotations
 
 import functools
-import heapq
 
 import jax
 import jax.numpy as jnp
@@ -70,7 +69,8 @@ from jax import custom_batching, lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_flash.mosaic.common import SMEM_LIMIT, clamp_range, grid_position
+from pallas_flash.mosaic.common import (SMEM_LIMIT, clamp_range, grid_position,
+                                       stream_through_slots)
 from pallas_flash.mosaic.tiles import WG_ROWS, positions, product, transposed_weights, zeros_acc
 from pallas_flash.spec import AttentionSpec
 from pallas_flash.stats import LOG2E, logit_scale
@@ -81,10 +81,6 @@ FUSED_KERNEL_NAME = "pallas_flash_mosaic_bwd_fused"
 CTA_KEYS = 2 * WG_ROWS      # key rows per CTA: one 64-row tile per compute warpgroup
 BLOCK_Q = WG_ROWS           # q rows per step (the dQ tile's rows)
 HEAD_DIMS = (64, 128)
-H200_SMS = 132
-# A work item's cost beyond its stream steps, in steps (the dK / dV store and the next K / V
-# load), for the persistent schedule's prediction only.
-ITEM_STEPS = 3
 # The copy and writer warpgroups get what the two compute warpgroups leave of the 64K
 # registers: 512 threads x 128 = 2 x 128 x compute + 2 x 128 x side.
 REGISTER_POOL = 4 * 128
@@ -132,57 +128,6 @@ def side_registers(compute_registers: int) -> int:
     return (REGISTER_POOL - 2 * compute_registers) // 2 // 8 * 8
 
 
-def _tile_blocks(mask, n_tiles: int):
-    """The number of q blocks each key tile (of CTA_KEYS rows) streams per q head, int32 [n]."""
-    starts = jnp.arange(n_tiles, dtype=jnp.int32) * CTA_KEYS
-    lo, _, _, hi = jax.vmap(
-        lambda s: mask.q_blocks(s, CTA_KEYS, BLOCK_Q, mask.seq_kv, mask.seq_q))(starts)
-    return hi - lo
-
-
-def sm_count() -> int:
-    """Streaming multiprocessors of the first GPU (132 on an H100 / H200 SXM if none is seen)."""
-    try:
-        return int(getattr(jax.devices("gpu")[0], "core_count", 0)) or H200_SMS
-    except RuntimeError:
-        return H200_SMS
-
-
-def schedule(steps, n_ctas: int, contiguous: bool = False) -> np.ndarray:
-    """The persistent kernel's work lists: int32 [n_ctas, 1 + R], per CTA its item count, then
-    its items (indices in launch order), increasing, padded with -1.
-
-    Items are dealt in launch order, each to the CTA predicted to be free first (a list
-    schedule; a CTA's predicted time is the sum of its items' steps plus ITEM_STEPS each), so
-    that a causal grid's long and short tiles spread as the hardware's own launch order would
-    spread them; with equal items that is round robin. Every list increases, so the lowest
-    unfinished item always runs (its lower-tile partner, which its dQ adds wait on, has a lower
-    index and is done): the order cannot deadlock while the CTAs are resident together.
-    `contiguous` deals runs of consecutive items instead, for the interpreter, which runs
-    CTAs one after another and so needs each q block's adds in launch order there too.
-    """
-    steps = np.asarray(steps, np.int64)
-    n = steps.size
-    if contiguous:
-        owner = np.arange(n) * n_ctas // n
-    elif (steps == steps[0]).all():
-        owner = np.arange(n) % n_ctas
-    else:
-        owner = np.empty(n, np.int64)
-        free = [(0, c) for c in range(n_ctas)]
-        for i, d in enumerate((steps + ITEM_STEPS).tolist()):
-            t, c = heapq.heappop(free)
-            owner[i] = c
-            heapq.heappush(free, (t + d, c))
-    counts = np.bincount(owner, minlength=n_ctas)
-    table = np.full((n_ctas, 1 + counts.max()), -1, np.int32)
-    table[:, 0] = counts
-    order = np.argsort(owner, kind="stable")
-    slot = np.arange(n) - np.repeat(np.cumsum(counts) - counts, counts)
-    table[owner[order], 1 + slot] = order
-    return table
-
-
 def _first_tiles(mask, n_qblocks: int):
     """first(j), last(j): the key tiles (of CTA_KEYS rows) that see q block j, int32 [n]."""
     starts = jnp.arange(n_qblocks, dtype=jnp.int32) * BLOCK_Q
@@ -190,96 +135,20 @@ def _first_tiles(mask, n_qblocks: int):
     return lo, hi
 
 
-def _fused_body(*refs, spec: AttentionSpec, cfg, group: int, head_dim: int, q_heads: int,
-                n_qblocks: int, n_tiles: int, persistent: bool):
-    if persistent:
-        q_ref, k_ref, v_ref, do_ref, st_ref, table_ref, *rest = refs
-    else:
-        (q_ref, k_ref, v_ref, do_ref, st_ref, *rest), table_ref = refs, None
-    (dk_ref, dv_ref, dq_ref, k_smem, v_smem, q_smem, do_smem, st_smem, ds_smem, dq_smem,
-     k_loaded, v_loaded, q_loaded, do_loaded, st_loaded, slot_free, ds_ready, dq_ready, dq_free,
-     both_done, kv_free, *interp_smem) = rest
-    n_batch = dq_ref.shape[0]
-    if persistent:
-        wg = lax.axis_index("wg")
-        cta = lax.axis_index("cta")
-        n_items = table_ref[cta, 0]
-
-        def item_of(r):
-            """(tile, kv head, batch) of this CTA's r-th work item (launch order: batch fastest,
-            then tile, then head, as the grid of the non-persistent kernel)."""
-            i = table_ref[cta, r + 1]
-            return (lax.rem(lax.div(i, jnp.int32(n_batch)), jnp.int32(n_tiles)),
-                    lax.div(i, jnp.int32(n_batch * n_tiles)), lax.rem(i, jnp.int32(n_batch)))
-    else:
-        tile, kv_head, batch, wg = grid_position(spec.mask)
-        n_items = 1
-
-        def item_of(r):
-            del r
-            return tile, kv_head, batch
-
-    body = functools.partial(
-        _work_item, q_ref, k_ref, v_ref, do_ref, st_ref, dk_ref, dv_ref, dq_ref,
-        k_smem, v_smem, q_smem, do_smem, st_smem, ds_smem, dq_smem,
-        k_loaded, v_loaded, q_loaded, do_loaded, st_loaded, slot_free,
-        ds_ready, dq_ready, dq_free, both_done, kv_free, *interp_smem,
-        spec=spec, cfg=cfg, group=group, head_dim=head_dim, q_heads=q_heads,
-        n_qblocks=n_qblocks)
-    stages, slots = cfg.fused_stages, cfg.fused_dq_slots
-
-    for w in range(2):
-        @pl.when(wg == w)
-        def _compute():
-            plgpu.set_max_registers(cfg.compute_registers, action="increase")
-            total = lax.fori_loop(
-                0, n_items, lambda r, base: body(position=item_of(r), base=base, role=w), jnp.int32(0))
-            # Observe the writer's last releases (interpret mode checks every phase is
-            # awaited); after the last dK / dV store, which overlaps the writer's last adds.
-            lax.fori_loop(jnp.maximum(total - slots, 0), total,
-                          lambda t, _: plgpu.barrier_wait(dq_free.at[lax.rem(t, jnp.int32(slots))]),
-                          None)
-            plgpu.wait_smem_to_gmem(0)
-
-    @pl.when(wg == 2)
-    def _copy():
-        plgpu.set_max_registers(side_registers(cfg.compute_registers), action="decrease")
-        total = lax.fori_loop(
-            0, n_items, lambda r, base: body(position=item_of(r), base=base, role="copy", first=r == 0),
-            jnp.int32(0))
-        lax.fori_loop(jnp.maximum(total - stages, 0), total,
-                      lambda t, _: plgpu.barrier_wait(slot_free.at[lax.rem(t, jnp.int32(stages))]),
-                      None)
-        plgpu.barrier_wait(kv_free)   # the last item's dK / dV have left K's and V's buffers
-
-    @pl.when(wg == 3)
-    def _write():
-        plgpu.set_max_registers(side_registers(cfg.compute_registers), action="decrease")
-        sem = None
-        if not spec.interpret:
-            sem = pl.get_global(plgpu.SemaphoreType.REGULAR((n_batch * q_heads * n_qblocks,)))
-        lax.fori_loop(0, n_items, lambda r, base: body(position=item_of(r), base=base, role="write", sem=sem),
-                      jnp.int32(0))
-
-
-def _work_item(q_ref, k_ref, v_ref, do_ref, st_ref, dk_ref, dv_ref, dq_ref,
-               k_smem, v_smem, q_smem, do_smem, st_smem, ds_smem, dq_smem,
-               k_loaded, v_loaded, q_loaded, do_loaded, st_loaded, slot_free,
-               ds_ready, dq_ready, dq_free, both_done, kv_free, *interp_smem,
-               spec: AttentionSpec, cfg, group: int, head_dim: int, q_heads: int,
-               n_qblocks: int, position, base, role, first=None, sem=None):
-    """One warpgroup's part of one work item (a key tile of one kv head and batch row): `role`
-    is the compute warpgroup's index (0, 1), "copy" or "write". `base` counts the stream steps
-    of this CTA's earlier items: step indices, and with them stream slots, dS^T parities and dQ
-    slots, run on across items, so that every barrier's phases stay in step. Returns `base`
-    plus this item's steps."""
+def _fused_body(q_ref, k_ref, v_ref, do_ref, st_ref, dk_ref, dv_ref, dq_ref,
+                k_smem, v_smem, q_smem, do_smem, st_smem, ds_smem, dq_smem,
+                k_loaded, v_loaded, q_loaded, do_loaded, st_loaded, slot_free,
+                ds_ready, dq_ready, dq_free, both_done, *interp_smem,
+                spec: AttentionSpec, cfg, group: int, head_dim: int, q_heads: int,
+                n_qblocks: int):
     mask = spec.mask
     dtype = q_ref.dtype
     stages, slots = cfg.fused_stages, cfg.fused_dq_slots
     by_turns = alternates(head_dim)
     c = logit_scale(spec) * LOG2E
     kv_len = mask.seq_kv if mask.seq_kv % WG_ROWS else None
-    tile, kv_head, batch = position
+
+    tile, kv_head, batch, wg = grid_position(mask)
     kv_start = tile * CTA_KEYS
 
     # The q blocks any key of the CTA sees, last block first, once per q head of the group.
@@ -316,6 +185,7 @@ def _work_item(q_ref, k_ref, v_ref, do_ref, st_ref, dk_ref, dv_ref, dq_ref,
         return kv_head * group + lax.div(t, per_head), cta_hi - 1 - lax.rem(t, per_head)
 
     def compute(w: int):
+        plgpu.set_max_registers(cfg.compute_registers, action="increase")
         key0 = kv_start + w * WG_ROWS
         lo, full_lo, full_hi, hi = clamp_range(
             mask.q_blocks(key0, WG_ROWS, BLOCK_Q, mask.seq_kv, mask.seq_q), cta_lo, cta_hi)
@@ -375,7 +245,7 @@ def _work_item(q_ref, k_ref, v_ref, do_ref, st_ref, dk_ref, dv_ref, dq_ref,
 
         def step(h, i, carry, masked: bool):
             dk, dv = carry
-            t = base + step_of(h, i)
+            t = step_of(h, i)
             slot = lax.rem(t, jnp.int32(stages))
             q_blk, do_blk, st = q_smem.at[slot], do_smem.at[slot], st_smem.at[slot]
             def wait_q():
@@ -401,7 +271,7 @@ def _work_item(q_ref, k_ref, v_ref, do_ref, st_ref, dk_ref, dv_ref, dq_ref,
         def drain(h, i):
             # A block only the other warpgroup sees: release the stream slot and add nothing
             # to dQ (the exchange still needs this half).
-            t = base + step_of(h, i)
+            t = step_of(h, i)
             slot = lax.rem(t, jnp.int32(stages))
             plgpu.barrier_wait(q_loaded.at[slot])
             plgpu.barrier_wait(st_loaded.at[slot])
@@ -444,6 +314,10 @@ def _work_item(q_ref, k_ref, v_ref, do_ref, st_ref, dk_ref, dv_ref, dq_ref,
             downward(cta_lo, lo, heads(drained), None)
             dk, dv = carry
 
+        # Observe the writer's last releases (interpret mode checks every phase is awaited).
+        lax.fori_loop(jnp.maximum(total - slots, 0), total,
+                      lambda t, _: plgpu.barrier_wait(dq_free.at[lax.rem(t, jnp.int32(slots))]),
+                      None)
         # Both warpgroups' last dQ products read both K tiles: only then may K's buffer carry
         # dK out.
         plgpu.barrier_arrive(both_done)
@@ -454,52 +328,45 @@ def _work_item(q_ref, k_ref, v_ref, do_ref, st_ref, dk_ref, dv_ref, dq_ref,
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(my_k, dk_ref.at[rows])
         plgpu.copy_smem_to_gmem(my_v, dv_ref.at[rows])
-        # The next item's K and V may land once the stores have read the buffers (the writes
-        # themselves are awaited once, at the kernel's end).
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-        plgpu.barrier_arrive(kv_free)
+        plgpu.wait_smem_to_gmem(0)
 
-    def copy():
-        def load_kv():
-            for rt in range(2):
-                rows = (batch, pl.ds(kv_start + rt * WG_ROWS, WG_ROWS), kv_head)
-                plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[rt], k_loaded.at[rt])
-                plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[rt], v_loaded.at[rt])
+    for w in range(2):
+        # Static warpgroup index: static column slices of K and of the dQ tile.
+        pl.when(wg == w)(functools.partial(compute, w))
 
-        def issue(tl, _):
-            t = base + tl
-            slot = lax.rem(t, jnp.int32(stages))
-            pl.when(t >= stages)(lambda: plgpu.barrier_wait(slot_free.at[slot]))
-            q_head, j = block_of(tl)
+    @pl.when(wg == 2)
+    def _copy():
+        plgpu.set_max_registers(side_registers(cfg.compute_registers), action="decrease")
+        for rt in range(2):
+            rows = (batch, pl.ds(kv_start + rt * WG_ROWS, WG_ROWS), kv_head)
+            plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[rt], k_loaded.at[rt])
+            plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[rt], v_loaded.at[rt])
+
+        def issue(t, slot):
+            q_head, j = block_of(t)
             rows = (batch, pl.ds(j * BLOCK_Q, BLOCK_Q), q_head)
             plgpu.copy_gmem_to_smem(q_ref.at[rows], q_smem.at[slot], q_loaded.at[slot])
             plgpu.copy_gmem_to_smem(st_ref.at[batch, q_head, :, pl.ds(j * BLOCK_Q, BLOCK_Q)],
                                     st_smem.at[slot], st_loaded.at[slot])
             plgpu.copy_gmem_to_smem(do_ref.at[rows], do_smem.at[slot], do_loaded.at[slot])
 
-        # A CTA's first item loads K and V at once. A later one first streams its first
-        # Q / dO blocks into the slots the previous item frees, then waits for that item's
-        # dK / dV to leave the K and V buffers: those loads overlap the previous epilogue.
-        ahead = jnp.minimum(total, stages)
-        pl.when(first)(load_kv)
-        lax.fori_loop(jnp.int32(0), ahead, issue, None)
+        stream_through_slots(issue, slot_free, stages, total)
 
-        @pl.when(jnp.logical_not(first))
-        def _after_epilogue():
-            plgpu.barrier_wait(kv_free)
-            load_kv()
+    @pl.when(wg == 3)
+    def _write():
+        plgpu.set_max_registers(side_registers(cfg.compute_registers), action="decrease")
+        sem = None
+        if not spec.interpret:
+            sem = pl.get_global(plgpu.SemaphoreType.REGULAR((dq_ref.shape[0] * q_heads
+                                                              * n_qblocks,)))
 
-        lax.fori_loop(ahead, total, issue, None)
-
-    def write(sem):
-        def add(tl, _):
-            t = base + tl
-            q_head, j = block_of(tl)
+        def write(t, _):
+            q_head, j = block_of(t)
             dslot = lax.rem(t, jnp.int32(slots))
             src = dq_smem.at[dslot]
             rows = (batch, pl.ds(j * BLOCK_Q, BLOCK_Q), q_head)
-            first_tile = mask.kv_blocks(j * BLOCK_Q, BLOCK_Q, CTA_KEYS, mask.seq_kv)[0]
-            rank = tile - first_tile  # tiles that add to this q block before this one
+            first = mask.kv_blocks(j * BLOCK_Q, BLOCK_Q, CTA_KEYS, mask.seq_kv)[0]
+            rank = tile - first  # tiles that add to this q block before this one
             plgpu.barrier_wait(dq_ready.at[dslot])
             if spec.interpret:
                 acc_smem, acc_loaded = interp_smem[1], interp_smem[2]
@@ -523,15 +390,7 @@ def _work_item(q_ref, k_ref, v_ref, do_ref, st_ref, dk_ref, dv_ref, dq_ref,
                 plgpu.semaphore_signal(flag, 1, memory_scope="gpu")  # the next tile may add
             plgpu.barrier_arrive(dq_free.at[dslot])
 
-        lax.fori_loop(jnp.int32(0), total, add, None)
-
-    if role == "copy":
-        copy()
-    elif role == "write":
-        write(sem)
-    else:
-        compute(role)
-    return base + total
+        lax.fori_loop(jnp.int32(0), total, write, None)
 
 
 def fused_backward(spec: AttentionSpec, q, k, v, do, rows, cfg):
@@ -595,24 +454,17 @@ def _fused(q, k, v, do, rows, *, spec: AttentionSpec, cfg):
         plgpu.Barrier(num_arrivals=2, num_barriers=slots),   # dQ tile written
         plgpu.Barrier(num_barriers=slots),                   # dQ tile sent
         plgpu.Barrier(num_arrivals=2),                       # K no longer read
-        plgpu.Barrier(num_arrivals=2),                       # dK / dV stored from K, V
     ]
     if spec.interpret:
         scratch += [plgpu.SMEM((2, WG_ROWS, BLOCK_Q), dtype),
                     plgpu.SMEM((BLOCK_Q, head_dim), jnp.float32),
                     plgpu.Barrier()]
     kv_shape = jax.ShapeDtypeStruct(k.shape, dtype)
-    operands = (q, k, v, do, rows)
-    if cfg.fused_persistent:
-        with jax.ensure_compile_time_eval():
-            steps = group * np.asarray(_tile_blocks(mask, n_tiles))
-        # Items in the launch order of the grid below: batch fastest, then tile, then head.
-        steps = np.broadcast_to(steps[None, :, None], (kv_heads, n_tiles, batch)).ravel()
-        table = schedule(steps, min(3 if spec.interpret else sm_count(), steps.size),
-                         contiguous=spec.interpret)
-        operands += (jnp.asarray(table),)
-        grid, grid_names = (table.shape[0],), ("cta",)
-    else:
+    dk, dv, dq_sum = plgpu.kernel(
+        functools.partial(_fused_body, spec=spec, cfg=cfg, group=group, head_dim=head_dim,
+                          q_heads=q_heads, n_qblocks=n_qblocks),
+        out_type=(kv_shape, kv_shape, jax.ShapeDtypeStruct(q.shape, jnp.float32)),
+        scratch_types=scratch,
         # Pallas launches the last grid axis fastest: here batch, then tile, then head. Tiles
         # of one (head, batch) launch in increasing order (a tile waits only on lower ones),
         # and a wave holds all tiles of a head or two, which add into the same float32 dQ
@@ -620,21 +472,14 @@ def _fused(q, k, v, do, rows, *, spec: AttentionSpec, cfg):
         # TFLOP/s): this order 503.6 / 443.1 (run 19); tile slowest 450.4 / 450.6 (run 21: a
         # wave spans 32 heads, and their dQ sums, 128 MB, no longer fit L2); tile fastest
         # 494.1 / 412.5 (run 20).
-        grid, grid_names = (kv_heads, n_tiles, batch), ("head", "tile", "batch")
-    dk, dv, dq_sum = plgpu.kernel(
-        functools.partial(_fused_body, spec=spec, cfg=cfg, group=group, head_dim=head_dim,
-                          q_heads=q_heads, n_qblocks=n_qblocks, n_tiles=n_tiles,
-                          persistent=cfg.fused_persistent),
-        out_type=(kv_shape, kv_shape, jax.ShapeDtypeStruct(q.shape, jnp.float32)),
-        scratch_types=scratch,
-        grid=grid,
-        grid_names=grid_names,
+        grid=(kv_heads, n_tiles, batch),
+        grid_names=("head", "tile", "batch"),
         num_threads=4,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=plgpu.InterpretGPUParams() if spec.interpret else None,
         kernel_name=FUSED_KERNEL_NAME,
-    )(*operands)
+    )(q, k, v, do, rows)
     # q blocks that no tile sees were never written: their dQ is 0. (The ranges are static:
     # computed here at trace time, so the select exists only for masks that need it.)
     with jax.ensure_compile_time_eval():
