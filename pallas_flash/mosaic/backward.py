@@ -112,6 +112,9 @@ class MosaicBackwardConfig:
         elsewhere the two kernels run, with the tiles above.
     fused_stages: shared-memory slots of the fused kernel's Q / dO stream (>= 2).
     fused_dq_slots: float32 dQ tiles in flight to the writer warpgroup in the fused kernel.
+    fused_profile_dir: a folder for Mosaic GPU traces of the fused kernel (one per call; see
+        fused_backward.profile_params), "" (the default) for none. A diagnostic: the trace
+        costs shared memory and a few cycles per scope.
     """
 
     dkdv_block_q: int = 64
@@ -124,6 +127,7 @@ class MosaicBackwardConfig:
     fused: bool = False
     fused_stages: int = 2
     fused_dq_slots: int = 1
+    fused_profile_dir: str = ""
 
     def __post_init__(self):
         for name in ("dkdv_block_q", "dq_block_kv"):

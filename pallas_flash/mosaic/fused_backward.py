@@ -128,6 +128,18 @@ def side_registers(compute_registers: int) -> int:
     return (REGISTER_POOL - 2 * compute_registers) // 2 // 8 * 8
 
 
+def profile_params(directory: str, max_steps: int) -> dict:
+    """CompilerParams arguments that make Mosaic GPU record the kernel's named scopes (kv_wait,
+    steps, ds_wait, slot_wait, writer_tail, store; stream; chain_wait) per warpgroup and CTA,
+    with the SM each ran on, into a trace file in `directory` after each call; {} if empty.
+    benchmarks/fused_profile.py reads the trace. A scope changes nothing when off (no jaxpr
+    equation; benchmarks/jaxpr_fingerprint.py). Room: two ranges per step plus five, per
+    warpgroup, in shared memory too (4 x 4 x 4 bytes a range: 16 KB at 8k, 128 steps)."""
+    if not directory:
+        return {}
+    return dict(profile_space=2 * max_steps + 8, profile_dir=directory)
+
+
 def _first_tiles(mask, n_qblocks: int):
     """first(j), last(j): the key tiles (of CTA_KEYS rows) that see q block j, int32 [n]."""
     starts = jnp.arange(n_qblocks, dtype=jnp.int32) * BLOCK_Q
@@ -196,9 +208,10 @@ def _fused_body(q_ref, k_ref, v_ref, do_ref, st_ref, dk_ref, dv_ref, dq_ref,
         cols = head_dim if by_turns else head_dim // 2
         col0 = 0 if by_turns else w * cols
         # The dQ product reads both key tiles.
-        plgpu.barrier_wait(k_loaded.at[0])
-        plgpu.barrier_wait(k_loaded.at[1])
-        plgpu.barrier_wait(v_loaded.at[w])
+        with jax.named_scope("kv_wait"):
+            plgpu.barrier_wait(k_loaded.at[0])
+            plgpu.barrier_wait(k_loaded.at[1])
+            plgpu.barrier_wait(v_loaded.at[w])
 
         def exchange(t, ds_t):
             """Share dS^T, then this warpgroup's share of dQ_partial = dS K over the CTA's 128
@@ -207,7 +220,8 @@ def _fused_body(q_ref, k_ref, v_ref, do_ref, st_ref, dk_ref, dv_ref, dq_ref,
             ds_smem.at[par, w][...] = ds_t
             plgpu.commit_smem()
             plgpu.barrier_arrive(ds_ready.at[par])
-            plgpu.barrier_wait(ds_ready.at[par])
+            with jax.named_scope("ds_wait"):
+                plgpu.barrier_wait(ds_ready.at[par])
 
             def run(acc_ref):
                 for rt in range(2):
@@ -219,7 +233,8 @@ def _fused_body(q_ref, k_ref, v_ref, do_ref, st_ref, dk_ref, dv_ref, dq_ref,
                 dslot = lax.rem(t, jnp.int32(slots))
                 # Every waiter observes every release (barrier phases are counted per waiter),
                 # so in turns both warpgroups wait, the one that writes and the one that does not.
-                pl.when(t >= slots)(lambda: plgpu.barrier_wait(dq_free.at[dslot]))
+                with jax.named_scope("slot_wait"):
+                    pl.when(t >= slots)(lambda: plgpu.barrier_wait(dq_free.at[dslot]))
                 return dslot
 
             def product_to_slot():
@@ -303,32 +318,37 @@ def _fused_body(q_ref, k_ref, v_ref, do_ref, st_ref, dk_ref, dv_ref, dq_ref,
             return carry
 
         carry = (zeros_acc(WG_ROWS, head_dim), zeros_acc(WG_ROWS, head_dim))
-        if group > 1 and not block_major:
-            dk, dv = lax.fori_loop(0, group, head_loop, carry)
-        else:
-            downward(hi, cta_hi, heads(drained), None)
-            carry = downward(full_hi, hi, heads(lambda h, i, cr: step(h, i, cr, True)), carry)
-            carry = downward(full_lo, full_hi, heads(lambda h, i, cr: step(h, i, cr, False)),
-                             carry)
-            carry = downward(lo, full_lo, heads(lambda h, i, cr: step(h, i, cr, True)), carry)
-            downward(cta_lo, lo, heads(drained), None)
-            dk, dv = carry
+        with jax.named_scope("steps"):
+            if group > 1 and not block_major:
+                dk, dv = lax.fori_loop(0, group, head_loop, carry)
+            else:
+                downward(hi, cta_hi, heads(drained), None)
+                carry = downward(full_hi, hi, heads(lambda h, i, cr: step(h, i, cr, True)),
+                                 carry)
+                carry = downward(full_lo, full_hi,
+                                 heads(lambda h, i, cr: step(h, i, cr, False)), carry)
+                carry = downward(lo, full_lo, heads(lambda h, i, cr: step(h, i, cr, True)),
+                                 carry)
+                downward(cta_lo, lo, heads(drained), None)
+                dk, dv = carry
 
         # Observe the writer's last releases (interpret mode checks every phase is awaited).
-        lax.fori_loop(jnp.maximum(total - slots, 0), total,
-                      lambda t, _: plgpu.barrier_wait(dq_free.at[lax.rem(t, jnp.int32(slots))]),
-                      None)
+        with jax.named_scope("writer_tail"):
+            lax.fori_loop(
+                jnp.maximum(total - slots, 0), total,
+                lambda t, _: plgpu.barrier_wait(dq_free.at[lax.rem(t, jnp.int32(slots))]), None)
         # Both warpgroups' last dQ products read both K tiles: only then may K's buffer carry
         # dK out.
-        plgpu.barrier_arrive(both_done)
-        plgpu.barrier_wait(both_done)
-        rows = (batch, pl.ds(key0, WG_ROWS), kv_head)
-        my_k[...] = (dk * spec.scale).astype(dtype)
-        my_v[...] = dv.astype(dtype)
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(my_k, dk_ref.at[rows])
-        plgpu.copy_smem_to_gmem(my_v, dv_ref.at[rows])
-        plgpu.wait_smem_to_gmem(0)
+        with jax.named_scope("store"):
+            plgpu.barrier_arrive(both_done)
+            plgpu.barrier_wait(both_done)
+            rows = (batch, pl.ds(key0, WG_ROWS), kv_head)
+            my_k[...] = (dk * spec.scale).astype(dtype)
+            my_v[...] = dv.astype(dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(my_k, dk_ref.at[rows])
+            plgpu.copy_smem_to_gmem(my_v, dv_ref.at[rows])
+            plgpu.wait_smem_to_gmem(0)
 
     for w in range(2):
         # Static warpgroup index: static column slices of K and of the dQ tile.
@@ -350,7 +370,8 @@ def _fused_body(q_ref, k_ref, v_ref, do_ref, st_ref, dk_ref, dv_ref, dq_ref,
                                     st_smem.at[slot], st_loaded.at[slot])
             plgpu.copy_gmem_to_smem(do_ref.at[rows], do_smem.at[slot], do_loaded.at[slot])
 
-        stream_through_slots(issue, slot_free, stages, total)
+        with jax.named_scope("stream"):
+            stream_through_slots(issue, slot_free, stages, total)
 
     @pl.when(wg == 3)
     def _write():
@@ -382,7 +403,8 @@ def _fused_body(q_ref, k_ref, v_ref, do_ref, st_ref, dk_ref, dv_ref, dq_ref,
                 plgpu.wait_smem_to_gmem(0)
             else:
                 flag = sem.at[(batch * q_heads + q_head) * n_qblocks + j]
-                plgpu.semaphore_wait(flag, rank, decrement=False, memory_scope="gpu")
+                with jax.named_scope("chain_wait"):
+                    plgpu.semaphore_wait(flag, rank, decrement=False, memory_scope="gpu")
                 pl.when(rank == 0)(lambda: plgpu.copy_smem_to_gmem(src, dq_ref.at[rows]))
                 pl.when(rank > 0)(lambda: plgpu.copy_smem_to_gmem(
                     src, dq_ref.at[rows], reduction_op="add"))
@@ -476,7 +498,8 @@ def _fused(q, k, v, do, rows, *, spec: AttentionSpec, cfg):
         grid_names=("head", "tile", "batch"),
         num_threads=4,
         thread_name="wg",
-        compiler_params=plgpu.CompilerParams(approx_math=True),
+        compiler_params=plgpu.CompilerParams(
+            approx_math=True, **profile_params(cfg.fused_profile_dir, n_qblocks * group)),
         interpret=plgpu.InterpretGPUParams() if spec.interpret else None,
         kernel_name=FUSED_KERNEL_NAME,
     )(q, k, v, do, rows)
