@@ -29,7 +29,13 @@ backward (an unchanged forward read 0.75-1.04x cuDNN across three runs, and the
 backward beside it 0.98-0.81x). Each function is called ``--warmup`` times
 first (the first call compiles), then ``--iters`` (forward) or ``--iters-bwd``
 (backward, forward+backward) times, each call ended by
-``jax.block_until_ready``; we report the median. Inputs are random normal
+``jax.block_until_ready``; we report the median. With ``--timer pipelined``
+the calls run back to back instead, one synchronisation per batch of calls,
+three batches, the median batch's mean reported: the host's launch work then
+overlaps the device's, as in a training loop that dispatches ahead. Per call,
+every launch's host latency lands in the time, and more so for programs of
+several launches (ours: check, D, kernel, cast; NOTES.md run 29: 0.41 ms a
+call, cuDNN's 0.66). Inputs are random normal
 (never zeros: zeros make every softmax row uniform and hide bugs).
 
 Throughput uses the conventional FLOP count of :func:`attention_flops`
@@ -374,8 +380,10 @@ def short_error(exc: BaseException) -> str:
     return msg[:200]
 
 
-def time_calls(f, args, iters: int, warmup: int) -> tuple[list[float], Any]:
-    """Per-call wall times in seconds (after warmup) and the last result."""
+def time_calls(f, args, iters: int, warmup: int,
+               pipelined: bool = False) -> tuple[list[float], Any]:
+    """Per-call wall times in seconds (after warmup) and the last result; pipelined: the
+    mean per call of each of three batches of `iters` back-to-back calls."""
     out = None
     # At least two: the first call compiles, and JAX's Pallas modules load on
     # the first trace in a process and register config options, which changes
@@ -384,6 +392,14 @@ def time_calls(f, args, iters: int, warmup: int) -> tuple[list[float], Any]:
     for _ in range(max(warmup, 2)):
         out = jax.block_until_ready(f(*args))
     times = []
+    if pipelined:
+        for _ in range(3):
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                out = f(*args)
+            out = jax.block_until_ready(out)
+            times.append((time.perf_counter() - t0) / iters)
+        return times, out
     for _ in range(iters):
         t0 = time.perf_counter()
         out = jax.block_until_ready(f(*args))
@@ -418,14 +434,15 @@ def make_backward(fn, causal: bool, static_kw: dict, q, k, v, do, arrays):
     return jax.jit(lambda vjp, do: vjp(do)), (vjp, do.astype(out.dtype))
 
 
-def bench_impl(fn, q, k, v, do, causal, kw, iters, iters_bwd, warmup) -> tuple[dict, Any]:
+def bench_impl(fn, q, k, v, do, causal, kw, iters, iters_bwd, warmup,
+               pipelined: bool = False) -> tuple[dict, Any]:
     """Time one implementation. Returns (row fields, forward output or None)."""
     row: dict[str, Any] = {"status": "ok", "error": None}
     arrays, static = split_kwargs(kw)
     fwd, fwdbwd = make_fns(fn, causal, static)
     out = None
     try:
-        times, out = time_calls(fwd, (q, k, v, arrays), iters, warmup)
+        times, out = time_calls(fwd, (q, k, v, arrays), iters, warmup, pipelined)
         row["fwd_times_ms"] = [t * 1e3 for t in times]
         row["fwd_ms"] = statistics.median(times) * 1e3
     except NotApplicable as e:
@@ -433,12 +450,13 @@ def bench_impl(fn, q, k, v, do, causal, kw, iters, iters_bwd, warmup) -> tuple[d
     except Exception as e:  # noqa: BLE001 - any failure is a result
         return {"status": "error", "error": short_error(e)}, None
     try:
-        times, grads = time_calls(fwdbwd, (q, k, v, do, arrays), iters_bwd, warmup)
+        times, grads = time_calls(fwdbwd, (q, k, v, do, arrays), iters_bwd, warmup,
+                                  pipelined)
         del grads
         row["fwdbwd_times_ms"] = [t * 1e3 for t in times]
         row["fwdbwd_ms"] = statistics.median(times) * 1e3
         bwd, bwd_args = make_backward(fn, causal, static, q, k, v, do, arrays)
-        times, grads = time_calls(bwd, bwd_args, iters_bwd, warmup)
+        times, grads = time_calls(bwd, bwd_args, iters_bwd, warmup, pipelined)
         del grads, bwd_args
         row["bwd_times_ms"] = [t * 1e3 for t in times]
         row["bwd_ms"] = statistics.median(times) * 1e3
@@ -475,7 +493,8 @@ def run_case(case: Case, impl_names, args, key) -> list[dict]:
     for name, fn, run_kw in runs:
         print(f"  {case.name} causal={case.causal} {name} ...", flush=True)
         fields, out = bench_impl(fn, q, k, v, do, case.causal, dict(run_kw),
-                                 args.iters, args.iters_bwd, args.warmup)
+                                 args.iters, args.iters_bwd, args.warmup,
+                                 args.timer == "pipelined")
         row = {"case": case.name, "variant": case.variant, "batch": case.batch,
                "seq": case.seq, "q_heads": case.q_heads, "kv_heads": case.kv_heads,
                "head_dim": case.head_dim, "causal": case.causal, "dtype": args.dtype,
@@ -806,6 +825,7 @@ def metadata(args, argv) -> dict:
         "iters_fwd": args.iters,
         "iters_fwdbwd": args.iters_bwd,
         "warmup": args.warmup,
+        "timer": args.timer,
         "ref_rows": args.ref_rows,
         "flops": "fwd = 4*B*Hq*Sq*Skv*D (/2 causal); bwd = 2.5*fwd; variants count "
                  "kept (query, key) pairs instead of Sq*Skv(/2)",
@@ -864,6 +884,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="forward+backward runs (default 10)")
     p.add_argument("--warmup", type=int, default=None,
                    help="untimed calls first, at least 2 (default 3)")
+    p.add_argument("--timer", choices=("call", "pipelined"), default="call",
+                   help="time each call to its end (default), or batches of back-to-back "
+                        "calls with one synchronisation each (host work overlapped)")
     p.add_argument("--ref-rows", type=int, default=None,
                    help="query rows sampled for the f32 reference (default 256)")
     p.add_argument("--variants", action="store_true",

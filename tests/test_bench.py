@@ -192,3 +192,19 @@ def test_runs_started_in_one_second_get_their_own_files(tmp_path):
     assert first == "bench_20261130-031413"
     assert second == "bench_20261130-031413-2"
     assert {p.name for p in tmp_path.iterdir()} == {first + ".json", second + ".json"}
+
+
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_timer_calls_and_times(pipelined):
+    """Per call: one time per call. Pipelined: one mean per batch of back-to-back calls, three
+    batches. Either way the warmup calls come first and the last result is returned."""
+    calls = []
+
+    def f(x):
+        calls.append(1)
+        return x + len(calls)
+
+    times, out = bench.time_calls(f, (jnp.zeros(3),), iters=4, warmup=2, pipelined=pipelined)
+    assert len(times) == (3 if pipelined else 4) and all(t > 0 for t in times)
+    assert len(calls) == 2 + (3 * 4 if pipelined else 4)
+    assert float(out[0]) == len(calls)
