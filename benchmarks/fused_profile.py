@@ -5,22 +5,20 @@
 
 The fused kernel's named scopes (fused_backward.profile_params) are recorded per warpgroup and
 CTA, with the SM each CTA ran on, when MosaicBackwardConfig.fused_profile_dir is set. This
-script times the kernel without the trace, runs it once with it (the makespan against the
-untraced time shows the trace's own cost), then reduces the trace (tens of MB) to a few numbers, printed and written
-to <out>/fused_profile.json:
+script times the kernel without the trace, runs it once with it, then reduces the trace (tens
+of MB) to a few numbers, printed and written to <out>/fused_profile.json. Durations are in
+kilocycles of the SM clock (`reduce_trace` says why):
 
-  sm_busy        sum of CTA lifetimes / (SMs x makespan): what the grid's gaps and tail cost;
-  gap_us         between one CTA's end and the next CTA's start on the same SM (launch);
-  per-CTA means  kv_wait (K / V load), steps, writer_tail, store of compute warpgroup 0;
-  fit            steps = a + b x n_steps over the CTAs (n_steps from the mask per key tile):
-                 b is the time per step, a the per-CTA cost inside the step loop (stalls
-                 before the first adds, pipeline fill);
+  cta_kcyc       a CTA's life (first to last event of any warpgroup);
+  compute0_kcyc  kv_wait (K / V load), steps, writer_tail, store of compute warpgroup 0;
+  fit            steps = per_cta + kcyc_per_step x n_steps over the CTAs (n_steps from the
+                 mask per key tile; causal only): per_cta is the cost inside the step loop
+                 that does not grow with the tile (stalls before the first adds, fill);
   waits          per step, by step index (first 4 against the rest): slot_wait (compute waits
                  for the writer to free a dQ slot), ds_wait (the two compute warpgroups'
-                 exchange of dS^T), chain_wait (the writer waits for the tile below to add).
-
-Grid order assumed: (head, tile, batch), batch fastest (fused_backward._fused), so a CTA's
-linear index is (head x n_tiles + tile) x batch + b; the fit's R^2 says whether that holds.
+                 exchange of dS^T), chain_wait (the writer waits for the tile below to add);
+  ghz_if_no_idle per SM, CTA kilocycles per microsecond of CTA starts: the clock, if no SM
+                 idled between CTAs.
 """
 
 from __future__ import annotations
@@ -29,6 +27,7 @@ import argparse
 import collections
 import dataclasses
 import glob
+import itertools
 import json
 import math
 import os
@@ -44,10 +43,19 @@ if ROOT not in sys.path:
 WARPGROUPS = 4       # compute 0, compute 1, copy, writer
 
 
-def reduce_trace(events, n_tiles: int, batch: int, steps_per_tile) -> dict:
+def reduce_trace(events, grid: dict, steps_per_tile) -> dict:
     """The summary described in the module docstring, from a list of trace events (dicts with
-    name, ph 'B' / 'E', ts in microseconds, pid = 1 + SM, tid = 1 + warpgroup + 4 x CTA)."""
-    spans = collections.defaultdict(list)       # (cta, wg, name) -> [durations in order]
+    name, ph 'B' / 'E', ts, pid = 1 + SM, tid = 1 + warpgroup + 4 x CTA).
+
+    Units: Mosaic GPU's profiler stamps a CTA's start with the global timer (ns) and each event
+    with the SM's cycle counter, and writes ts = (start_ns + cycles since the CTA's first
+    event) / 1e3. So durations inside a CTA are kilocycles (kcyc), and a CTA's start is in
+    microseconds; the two do not mix (no gaps or makespan from them). `grid` maps the grid's
+    axis names to sizes ({"head": .., "tile": .., "batch": ..}); the CTA index's axis order
+    is not documented, so every order is tried and the one under which steps fits best
+    (R^2) is reported with the fit.
+    """
+    spans = collections.defaultdict(list)       # (cta, wg, name) -> [kcycles, in order]
     first = collections.defaultdict(lambda: math.inf)
     last = collections.defaultdict(lambda: -math.inf)
     sm_of = {}
@@ -63,55 +71,59 @@ def reduce_trace(events, n_tiles: int, batch: int, steps_per_tile) -> dict:
             begin = stacks[(cta, wg)].pop()
             spans[(cta, wg, begin["name"])].append(ev["ts"] - begin["ts"])
     ctas = sorted(sm_of)
-    start = np.array([first[c] for c in ctas])
-    end = np.array([last[c] for c in ctas])
+    start_us = np.array([first[c] for c in ctas])
+    life = np.array([last[c] - first[c] for c in ctas])
     sms = np.array([sm_of[c] for c in ctas])
-    makespan = end.max() - start.min()
-    n_sms = len(set(sms.tolist()))
-    gaps = []
+    # Per SM, kilocycles of CTA life per microsecond between its first and last CTA's start:
+    # the SM clock in GHz if the SM never idled between CTAs (less if it did).
+    ghz = []
     for sm in set(sms.tolist()):
         idx = np.flatnonzero(sms == sm)
-        order = idx[np.argsort(start[idx])]
-        gaps.extend((start[order[1:]] - end[order[:-1]]).tolist())
+        order = idx[np.argsort(start_us[idx])]
+        if len(order) > 1 and start_us[order[-1]] > start_us[order[0]]:
+            ghz.append(life[order[:-1]].sum() / (start_us[order[-1]] - start_us[order[0]]))
 
     def total(cta, wg, name):
         return float(np.sum(spans.get((cta, wg, name), [0.0])))
 
     steps_time = np.array([total(c, 0, "steps") for c in ctas])
-    tiles = np.array([(c // batch) % n_tiles for c in ctas])
-    n_steps = np.asarray(steps_per_tile)[tiles].astype(float)
     fit = {}
-    if np.ptp(n_steps) > 0:
+    names = list(grid)
+    for perm in itertools.permutations(names):
+        # perm[0] varies slowest, perm[-1] fastest.
+        sizes = [grid[n] for n in perm]
+        coords = np.unravel_index(np.asarray(ctas), sizes)
+        tiles = coords[perm.index("tile")]
+        n_steps = np.asarray(steps_per_tile)[tiles].astype(float)
+        if np.ptp(n_steps) == 0:
+            fit = dict(order=None, kcyc_per_step=float(np.mean(steps_time / np.maximum(n_steps, 1))))
+            break
         design = np.stack([np.ones_like(n_steps), n_steps], 1)
         coef, *_ = np.linalg.lstsq(design, steps_time, rcond=None)
-        pred = design @ coef
-        r2 = 1 - np.sum((steps_time - pred) ** 2) / np.sum((steps_time - steps_time.mean()) ** 2)
-        fit = dict(a_us=float(coef[0]), b_us_per_step=float(coef[1]), r2=float(r2))
-    else:
-        fit = dict(b_us_per_step=float(np.mean(steps_time / np.maximum(n_steps, 1))))
+        resid = steps_time - design @ coef
+        r2 = 1 - np.sum(resid ** 2) / np.sum((steps_time - steps_time.mean()) ** 2)
+        if not fit or r2 > fit["r2"]:
+            fit = dict(order=list(perm), per_cta_kcyc=float(coef[0]),
+                       kcyc_per_step=float(coef[1]), r2=float(r2))
 
     def by_index(wg, name):
         seqs = [spans.get((c, wg, name), []) for c in ctas]
         head = [s[i] for s in seqs for i in range(min(4, len(s)))]
         rest = [x for s in seqs for x in s[4:]]
-        return dict(first4_us=float(np.mean(head)) if head else 0.0,
-                    rest_us=float(np.mean(rest)) if rest else 0.0,
-                    per_cta_us=float(np.mean([sum(s) for s in seqs])))
+        return dict(first4_kcyc=float(np.mean(head)) if head else 0.0,
+                    rest_kcyc=float(np.mean(rest)) if rest else 0.0,
+                    per_cta_kcyc=float(np.mean([sum(s) for s in seqs])))
 
     mean = lambda wg, name: float(np.mean([total(c, wg, name) for c in ctas]))  # noqa: E731
     return dict(
-        ctas=len(ctas), sms=n_sms, makespan_us=float(makespan),
-        sm_busy=float(np.sum(end - start) / (n_sms * makespan)),
-        gap_us=dict(mean=float(np.mean(gaps)) if gaps else 0.0,
-                    median=float(np.median(gaps)) if gaps else 0.0,
-                    p90=float(np.percentile(gaps, 90)) if gaps else 0.0),
-        cta_us=float(np.mean(end - start)),
-        compute0=dict(kv_wait=mean(0, "kv_wait"), steps=mean(0, "steps"),
-                      writer_tail=mean(0, "writer_tail"), store=mean(0, "store")),
-        stream_us=mean(2, "stream"), fit=fit,
+        ctas=len(ctas), sms=len(set(sms.tolist())),
+        ghz_if_no_idle=float(np.median(ghz)) if ghz else None,
+        cta_kcyc=float(np.mean(life)),
+        compute0_kcyc=dict(kv_wait=mean(0, "kv_wait"), steps=mean(0, "steps"),
+                           writer_tail=mean(0, "writer_tail"), store=mean(0, "store")),
+        stream_kcyc=mean(2, "stream"), fit=fit,
         slot_wait=by_index(0, "slot_wait"), ds_wait=by_index(0, "ds_wait"),
-        ds_wait_wg1=by_index(1, "ds_wait"), chain_wait=by_index(3, "chain_wait"),
-        mean_steps=float(n_steps.mean()))
+        ds_wait_wg1=by_index(1, "ds_wait"), chain_wait=by_index(3, "chain_wait"))
 
 
 def main():
@@ -163,8 +175,9 @@ def main():
             lo, _, _, hi = jax.vmap(lambda x: mask.q_blocks(x, fb.CTA_KEYS, fb.BLOCK_Q, s, s))(
                 jnp.arange(n_tiles, dtype=jnp.int32) * fb.CTA_KEYS)
         steps = np.asarray(hi - lo) * (case.q_heads // case.kv_heads)
+        grid = dict(head=case.kv_heads, tile=n_tiles, batch=case.batch)
         row = dict(case=args.case, causal=causal, ms=t_plain * 1e3, events=len(events),
-                   **reduce_trace(events, n_tiles, case.batch, steps))
+                   mean_steps=float(np.mean(steps)), **reduce_trace(events, grid, steps))
         results.append(row)
         print(json.dumps(row, indent=1), flush=True)
     with open(os.path.join(args.out, "fused_profile.json"), "w") as f:
