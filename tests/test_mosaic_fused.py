@@ -96,13 +96,18 @@ CASES = [
 @needs_hopper
 @pytest.mark.parametrize("b,sq,skv,hq,hkv,d,options", CASES)
 def test_matches_reference(b, sq, skv, hq, hkv, d, options):
+    # What users run: the fused kernel at head_dim 64 and 128, default tiles.
+    _check_against_reference(b, sq, skv, hq, hkv, d, options,
+                             mosaic.default_backward_config(d))
+
+
+def _check_against_reference(b, sq, skv, hq, hkv, d, options, cfg):
     dtype = jnp.bfloat16
     q, k, v, do = random_inputs(jax.random.PRNGKey(61), b, sq, skv, hq, hkv, d, dtype)
     dlse = jax.random.normal(jax.random.PRNGKey(62), (b, hq, sq), jnp.float32)
     spec = mosaic_spec(sq, skv, d, dtype, causal=options.get("causal", False),
                  alignment=options.get("causal_alignment", "top_left"),
                  window=options.get("window"), softcap=options.get("softcap"))
-    cfg = mosaic.default_backward_config(d)   # what users run: the fused kernel at 64 and 128
     assert mosaic.uses_fused(spec, q, k, cfg)
     out, stats = triton_forward.forward(spec, q, k, v)
     run = jax.jit(lambda *a: mosaic.backward(spec, *a, config=cfg))
@@ -118,6 +123,18 @@ def test_matches_reference(b, sq, skv, hq, hkv, d, options):
         again = run(q, k, v, out, stats, do, dlse)
         for g, h in zip(grads, again):
             np.testing.assert_array_equal(np.asarray(g), np.asarray(h))
+
+
+@pytest.mark.skipif(not IS_HOPPER, reason="the early slot release exists only compiled: the "
+                    "interpreter's writer adds by itself (its lowering is tested on the CPU)")
+@pytest.mark.parametrize("b,sq,skv,hq,hkv,d,options", [
+    c for c in CASES if c.id in ("causal-gqa", "full", "turns-d64")])
+def test_early_release_matches_reference(b, sq, skv, hq, hkv, d, options):
+    """`fused_early_release`: the writer hands a dQ slot back once the TMA has read it, and
+    signals the next tile only once the sum has landed; same sums, same order, same bits
+    from call to call."""
+    cfg = dataclasses.replace(mosaic.default_backward_config(d), fused_early_release=True)
+    _check_against_reference(b, sq, skv, hq, hkv, d, options, cfg)
 
 
 # ---- dispatch and lowering --------------------------------------------------------------------
@@ -156,15 +173,19 @@ def test_shared_memory_is_checked():
         mosaic.MosaicBackwardConfig(fused_dq_slots=3)
 
 
-@pytest.mark.parametrize("d,causal,options", [
-    (128, True, {}), (128, False, dict(window=(100, 50), softcap=30.0)), (64, True, {}),
-    (64, False, dict(window=(100, 50), softcap=30.0))],
-    ids=["causal", "window-softcap", "causal-d64", "window-softcap-d64"])
-def test_lowers_for_sm90(d, causal, options):
+@pytest.mark.parametrize("d,causal,options,overrides", [
+    (128, True, {}, {}), (128, False, dict(window=(100, 50), softcap=30.0), {}),
+    (64, True, {}, {}), (64, False, dict(window=(100, 50), softcap=30.0), {}),
+    # The writer's early slot release exists only compiled (the interpreter's writer adds
+    # by itself), so lowering is where the CPU sees it.
+    (128, True, {}, dict(fused_early_release=True))],
+    ids=["causal", "window-softcap", "causal-d64", "window-softcap-d64", "early-release"])
+def test_lowers_for_sm90(d, causal, options, overrides):
     seq = 1001
     q, k, v, _, stats, do, _ = backward_args(2, seq, seq, 4, 2, d, jnp.bfloat16)
     spec = mosaic_spec(seq, seq, d, jnp.bfloat16, causal=causal, interpret=False, **options)
-    fn = jax.jit(lambda *a: mosaic.backward(spec, *a, config=FUSED))
+    cfg = dataclasses.replace(FUSED, **overrides)
+    fn = jax.jit(lambda *a: mosaic.backward(spec, *a, config=cfg))
     text = fn.trace(q, k, v, q, stats, do, stats.m).lower(
         lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text

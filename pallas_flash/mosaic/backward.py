@@ -112,8 +112,12 @@ class MosaicBackwardConfig:
         elsewhere the two kernels run, with the tiles above.
     fused_stages: shared-memory slots of the fused kernel's Q / dO stream (>= 2).
     fused_dq_slots: float32 dQ tiles in flight to the writer warpgroup in the fused kernel.
+    fused_early_release: in the fused kernel, hand a dQ slot back to the compute warpgroups
+        once the TMA has read it, not once the sum has landed in global memory (the next tile
+        still waits for that). NOTES.md run 31: the compute warpgroups wait ~4.5% of a 8k
+        step loop for the slot at head_dim 128 (one slot); opt-in until timed compiled.
     fused_profile_dir: a folder for Mosaic GPU traces of the fused kernel (one per call; see
-        fused_backward.profile_params), "" (the default) for none. A diagnostic: the trace
+        common.profile_params), "" (the default) for none. A diagnostic: the trace
         costs shared memory and a few cycles per scope.
     """
 
@@ -127,6 +131,7 @@ class MosaicBackwardConfig:
     fused: bool = False
     fused_stages: int = 2
     fused_dq_slots: int = 1
+    fused_early_release: bool = False
     fused_profile_dir: str = ""
 
     def __post_init__(self):

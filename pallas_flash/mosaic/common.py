@@ -143,3 +143,15 @@ def stream_through_slots(issue, slot_free, stages: int, total):
         plgpu.barrier_wait(slot_free.at[lax.rem(t, jnp.int32(stages))])
 
     lax.fori_loop(jnp.maximum(total - stages, 0), total, last_release, None)
+
+
+def profile_params(directory: str, ranges: int) -> dict:
+    """CompilerParams arguments that make Mosaic GPU record a kernel's named scopes
+    (`jax.named_scope` in the kernel body) per warpgroup and CTA, with the SM each CTA ran on,
+    into a trace file in `directory` after each call; {} when `directory` is empty. `ranges`:
+    the most scopes one warpgroup enters in one CTA. Each costs 16 bytes of shared memory per
+    warpgroup, on top of the kernel's own. A scope changes nothing when this is off (no jaxpr
+    equation: benchmarks/jaxpr_fingerprint.py). benchmarks/kernel_trace.py reads the trace."""
+    if not directory:
+        return {}
+    return dict(profile_space=ranges, profile_dir=directory)

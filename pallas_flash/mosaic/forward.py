@@ -89,7 +89,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_flash.masking import PAD_KEY_ID, PAD_QUERY_ID, segment_block_ranges
 from pallas_flash.mosaic.common import (SMEM_LIMIT, SMEM_RESERVED, clamp_range, logit_units,
                                        narrowed, pad_seq, query_tile_position,
-                                       unsupported_operands)
+                                       profile_params, unsupported_operands)
 from pallas_flash.spec import AttentionSpec
 from pallas_flash.stats import LOG2E, RowStats, logit_scale
 
@@ -113,6 +113,8 @@ class MosaicForwardConfig:
       block j - 1 and run the softmax of block j while P V is still on the tensor cores
       (FlashAttention-3's intra-warpgroup pipelining). It holds a second P tile in registers.
     compute_registers / copy_registers: per-thread register budgets after the split.
+    profile_dir: a folder for Mosaic GPU traces of the kernel (one per call; see
+      common.profile_params), "" (the default) for none. A diagnostic.
     """
 
     block_q: int = 64
@@ -122,6 +124,7 @@ class MosaicForwardConfig:
     overlap: bool = False
     compute_registers: int = 232
     copy_registers: int = 40
+    profile_dir: str = ""
 
     def __post_init__(self):
         if self.block_q != 64:
@@ -284,7 +287,8 @@ def _kernel_body(q_ref, k_ref, v_ref, q_ids_ref, kv_ids_ref, cta_seg_ref, wg_seg
         def step(j, carry, masked: bool):
             acc, m, l = carry
             slot = slot_of(j)
-            plgpu.barrier_wait(k_loaded.at[slot])
+            with jax.named_scope("k_wait"):
+                plgpu.barrier_wait(k_loaded.at[slot])
 
             def logits(s_ref):
                 plgpu.wgmma(s_ref, my_q, k_smem.at[slot].T)
@@ -296,7 +300,8 @@ def _kernel_body(q_ref, k_ref, v_ref, q_ids_ref, kv_ids_ref, cta_seg_ref, wg_seg
             m_new, alpha, p, l = online_softmax(visible_logits(j, u, masked), m, l)
             p_in = p.astype(dtype)
             acc = acc * _bcast_rows(alpha, acc.shape)
-            plgpu.barrier_wait(v_loaded.at[slot])
+            with jax.named_scope("v_wait"):
+                plgpu.barrier_wait(v_loaded.at[slot])
             rendezvous()
 
             def weighted_values(acc_ref):
@@ -323,8 +328,11 @@ def _kernel_body(q_ref, k_ref, v_ref, q_ids_ref, kv_ids_ref, cta_seg_ref, wg_seg
         def step_lagged(j, carry, masked: bool):
             acc, m, l, p_prev, prev, waited = carry
             slot, prev_slot = slot_of(j), slot_of(prev)
-            plgpu.barrier_wait(k_loaded.at[slot])
-            pl.when(jnp.logical_not(waited))(lambda: plgpu.barrier_wait(v_loaded.at[prev_slot]))
+            with jax.named_scope("k_wait"):
+                plgpu.barrier_wait(k_loaded.at[slot])
+            with jax.named_scope("v_wait"):
+                pl.when(jnp.logical_not(waited))(
+                    lambda: plgpu.barrier_wait(v_loaded.at[prev_slot]))
 
             if spec.interpret:
                 def logits(s_ref):
@@ -410,23 +418,25 @@ def _kernel_body(q_ref, k_ref, v_ref, q_ids_ref, kv_ids_ref, cta_seg_ref, wg_seg
             carry = (acc, m, l, p0, lo, jnp.bool_(False))
             body = step_lagged
 
-        plgpu.barrier_wait(q_loaded.at[wg])
-        if cfg.pingpong:
-            pl.when(wg == 1)(rendezvous)
+        with jax.named_scope("q_wait"):
+            plgpu.barrier_wait(q_loaded.at[wg])
         unmasked = functools.partial(body, masked=False)
         masked = functools.partial(body, masked=True)
         # Blocks before this warpgroup's range (the other one needs them), the masked leading
         # edge (window start), the unmasked middle, the masked trailing edge (diagonal, window
         # end, partial last key block), blocks after its range.
-        lax.fori_loop(cta_lo, lo, drain, None)
-        carry = lax.fori_loop(lo, full_lo, masked, carry)
-        carry = lax.fori_loop(full_lo, full_hi, unmasked, carry)
-        carry = lax.fori_loop(full_hi, hi, masked, carry)
-        if cfg.overlap:
-            carry = finish_lagged(carry)
-        lax.fori_loop(hi, cta_hi, drain, None)
-        if cfg.pingpong:
-            pl.when(wg == 0)(rendezvous)
+        with jax.named_scope("steps"):
+            if cfg.pingpong:
+                pl.when(wg == 1)(rendezvous)
+            lax.fori_loop(cta_lo, lo, drain, None)
+            carry = lax.fori_loop(lo, full_lo, masked, carry)
+            carry = lax.fori_loop(full_lo, full_hi, unmasked, carry)
+            carry = lax.fori_loop(full_hi, hi, masked, carry)
+            if cfg.overlap:
+                carry = finish_lagged(carry)
+            lax.fori_loop(hi, cta_hi, drain, None)
+            if cfg.pingpong:
+                pl.when(wg == 0)(rendezvous)
         acc, m, l = carry
 
         # A row that saw no key has l = 0 and leaves with O = 0 (acc is not read: with
@@ -445,7 +455,8 @@ def _kernel_body(q_ref, k_ref, v_ref, q_ids_ref, kv_ids_ref, cta_seg_ref, wg_seg
         plgpu.copy_smem_to_gmem(my_q, o_ref.at[batch, pl.ds(q_start, block_q), head])
         plgpu.copy_smem_to_gmem(m_smem.at[wg], m_ref.at[batch, head, pl.ds(q_start, block_q)])
         plgpu.copy_smem_to_gmem(r_smem.at[wg], r_ref.at[batch, head, pl.ds(q_start, block_q)])
-        plgpu.wait_smem_to_gmem(0)
+        with jax.named_scope("store_wait"):
+            plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == COMPUTE_WGS)
     def _copy():
@@ -466,7 +477,8 @@ def _kernel_body(q_ref, k_ref, v_ref, q_ids_ref, kv_ids_ref, cta_seg_ref, wg_seg
             pl.when(refill)(lambda: plgpu.barrier_wait(v_free.at[slot]))
             plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot], v_loaded.at[slot])
 
-        lax.fori_loop(jnp.int32(0), n_steps, load, None)
+        with jax.named_scope("stream"):
+            lax.fori_loop(jnp.int32(0), n_steps, load, None)
 
         # Observe the last releases too, so every phase of every barrier is waited for (GPU
         # interpret mode checks this when the barriers are freed; on the GPU it costs nothing,
@@ -535,7 +547,11 @@ def forward(spec: AttentionSpec, q, k, v, q_ids=None, kv_ids=None, *,
         grid_names=("tile", "head", "batch"),
         num_threads=COMPUTE_WGS + 1,
         thread_name="wg",
-        compiler_params=plgpu.CompilerParams(approx_math=True),
+        compiler_params=plgpu.CompilerParams(
+            approx_math=True,
+            # k_wait and v_wait once a key block, and five more scopes.
+            **profile_params(cfg.profile_dir,
+                             2 * pl.cdiv(spec.mask.seq_kv, cfg.block_kv) + 8)),
         interpret=plgpu.InterpretGPUParams() if spec.interpret else None,
         kernel_name=KERNEL_NAME,
     )

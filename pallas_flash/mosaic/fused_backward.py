@@ -70,7 +70,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_flash.mosaic.common import (SMEM_LIMIT, clamp_range, grid_position,
-                                       stream_through_slots)
+                                       profile_params, stream_through_slots)
 from pallas_flash.mosaic.tiles import WG_ROWS, positions, product, transposed_weights, zeros_acc
 from pallas_flash.spec import AttentionSpec
 from pallas_flash.stats import LOG2E, logit_scale
@@ -126,18 +126,6 @@ def unsupported_reason(spec: AttentionSpec, q, k, cfg) -> str | None:
 def side_registers(compute_registers: int) -> int:
     """Registers per thread of the copy and writer warpgroups, a multiple of 8."""
     return (REGISTER_POOL - 2 * compute_registers) // 2 // 8 * 8
-
-
-def profile_params(directory: str, max_steps: int) -> dict:
-    """CompilerParams arguments that make Mosaic GPU record the kernel's named scopes (kv_wait,
-    steps, ds_wait, slot_wait, writer_tail, store; stream; chain_wait) per warpgroup and CTA,
-    with the SM each ran on, into a trace file in `directory` after each call; {} if empty.
-    benchmarks/fused_profile.py reads the trace. A scope changes nothing when off (no jaxpr
-    equation; benchmarks/jaxpr_fingerprint.py). Room: two ranges per step plus five, per
-    warpgroup, in shared memory too (4 x 4 x 4 bytes a range: 16 KB at 8k, 128 steps)."""
-    if not directory:
-        return {}
-    return dict(profile_space=2 * max_steps + 8, profile_dir=directory)
 
 
 def _first_tiles(mask, n_qblocks: int):
@@ -408,9 +396,15 @@ def _fused_body(q_ref, k_ref, v_ref, do_ref, st_ref, dk_ref, dv_ref, dq_ref,
                 pl.when(rank == 0)(lambda: plgpu.copy_smem_to_gmem(src, dq_ref.at[rows]))
                 pl.when(rank > 0)(lambda: plgpu.copy_smem_to_gmem(
                     src, dq_ref.at[rows], reduction_op="add"))
+                if cfg.fused_early_release:
+                    # The slot may take the next partial once the copy has read it; the next
+                    # tile may add only once the sum has landed.
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                    plgpu.barrier_arrive(dq_free.at[dslot])
                 plgpu.wait_smem_to_gmem(0)  # the sum has landed
                 plgpu.semaphore_signal(flag, 1, memory_scope="gpu")  # the next tile may add
-            plgpu.barrier_arrive(dq_free.at[dslot])
+            if spec.interpret or not cfg.fused_early_release:
+                plgpu.barrier_arrive(dq_free.at[dslot])
 
         lax.fori_loop(jnp.int32(0), total, write, None)
 
@@ -499,7 +493,8 @@ def _fused(q, k, v, do, rows, *, spec: AttentionSpec, cfg):
         num_threads=4,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(
-            approx_math=True, **profile_params(cfg.fused_profile_dir, n_qblocks * group)),
+            approx_math=True,
+            **profile_params(cfg.fused_profile_dir, 2 * n_qblocks * group + 8)),
         interpret=plgpu.InterpretGPUParams() if spec.interpret else None,
         kernel_name=FUSED_KERNEL_NAME,
     )(q, k, v, do, rows)
