@@ -137,6 +137,17 @@ def test_early_release_matches_reference(b, sq, skv, hq, hkv, d, options):
     _check_against_reference(b, sq, skv, hq, hkv, d, options, cfg)
 
 
+@pytest.mark.skipif(not IS_HOPPER, reason="the overlap of P^T with dP^T exists only compiled: "
+                    "the interpreter runs the products one by one (lowering tested on the CPU)")
+@pytest.mark.parametrize("b,sq,skv,hq,hkv,d,options", [
+    c for c in CASES if c.id in ("causal-gqa", "window-softcap", "turns-d64")])
+def test_overlap_matches_reference(b, sq, skv, hq, hkv, d, options):
+    """`fused_overlap`: dP^T = V dO^T is issued behind S^T and P^T computed while it runs; the
+    same products, so the same sums."""
+    cfg = dataclasses.replace(mosaic.default_backward_config(d), fused_overlap=True)
+    _check_against_reference(b, sq, skv, hq, hkv, d, options, cfg)
+
+
 # ---- dispatch and lowering --------------------------------------------------------------------
 
 @pytest.mark.parametrize("d,dtype,options,served", [
@@ -178,8 +189,11 @@ def test_shared_memory_is_checked():
     (64, True, {}, {}), (64, False, dict(window=(100, 50), softcap=30.0), {}),
     # The writer's early slot release exists only compiled (the interpreter's writer adds
     # by itself), so lowering is where the CPU sees it.
-    (128, True, {}, dict(fused_early_release=True))],
-    ids=["causal", "window-softcap", "causal-d64", "window-softcap-d64", "early-release"])
+    (128, True, {}, dict(fused_early_release=True)),
+    # So does the overlap of P^T with the dP^T product (softcap: its tanh rides along).
+    (128, False, dict(window=(100, 50), softcap=30.0), dict(fused_overlap=True))],
+    ids=["causal", "window-softcap", "causal-d64", "window-softcap-d64", "early-release",
+         "overlap-window-softcap"])
 def test_lowers_for_sm90(d, causal, options, overrides):
     seq = 1001
     q, k, v, _, stats, do, _ = backward_args(2, seq, seq, 4, 2, d, jnp.bfloat16)

@@ -116,6 +116,8 @@ class MosaicBackwardConfig:
         once the TMA has read it, not once the sum has landed in global memory (the next tile
         still waits for that). NOTES.md run 31: the compute warpgroups wait ~4.5% of a 8k
         step loop for the slot at head_dim 128 (one slot); opt-in until timed compiled.
+    fused_overlap: in the fused kernel, issue dP^T = V dO^T behind S^T = K Q^T and compute
+        P^T while it runs (tiles.transposed_weights); opt-in until timed compiled.
     fused_profile_dir: a folder for Mosaic GPU traces of the fused kernel (one per call; see
         common.profile_params), "" (the default) for none. A diagnostic: the trace
         costs shared memory and a few cycles per scope.
@@ -132,6 +134,7 @@ class MosaicBackwardConfig:
     fused_stages: int = 2
     fused_dq_slots: int = 1
     fused_early_release: bool = False
+    fused_overlap: bool = False
     fused_profile_dir: str = ""
 
     def __post_init__(self):

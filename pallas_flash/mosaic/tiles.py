@@ -71,7 +71,7 @@ def idiv(x, d: int):
 
 
 def transposed_weights(spec, c, k_tile, v_tile, q_blk, do_blk, st, shape, *, wait_q, wait_do,
-                       visible_fn=None):
+                       visible_fn=None, overlap: bool = False):
     """(P^T, dS^T), float32, for one step of a dK/dV-style loop in the transposed orientation
     (rows: the warpgroup's keys; columns: the streamed queries). The backward kernels' shared
     recomputation:  S^T = K Q^T,  P^T = 2^((S^T - m) c - r),  dP^T = V dO^T,
@@ -81,17 +81,44 @@ def transposed_weights(spec, c, k_tile, v_tile, q_blk, do_blk, st, shape, *, wai
     statistics, and for dO (called just before each is read). visible_fn: None for a block seen
     whole, else a function giving the boolean visibility (or None: no mask after all); P^T and
     dS^T are zeroed outside it (dS^T even where dP^T is NaN).
+
+    overlap (compiled only): issue dP^T = V dO^T right behind S^T = K Q^T and compute P^T while
+    it runs on the tensor cores, instead of after it (NOTES.md run 31: a step is ~90% math, and
+    the two compute warpgroups reach their exp2 together, leaving the tensor cores idle).
     """
-    wait_q()
-    u_t, t_t = logit_units(spec, matmul(k_tile, q_blk.T, shape))
-    m = plgpu.load(st.at[0], layout=plgpu.Layout.WGMMA.reduce(0))
-    r = plgpu.load(st.at[1], layout=plgpu.Layout.WGMMA.reduce(0))
-    p_t = jnp.exp2((u_t - bcast_cols(m, shape)) * c - bcast_cols(r, shape))
-    visible = None if visible_fn is None else visible_fn()
-    if visible is not None:
-        p_t = jnp.where(visible, p_t, 0.0)
-    wait_do()
-    dp_t = matmul(v_tile, do_blk.T, shape)
+    def probabilities(s_t):
+        u_t, t_t = logit_units(spec, s_t)
+        m = plgpu.load(st.at[0], layout=plgpu.Layout.WGMMA.reduce(0))
+        r = plgpu.load(st.at[1], layout=plgpu.Layout.WGMMA.reduce(0))
+        return jnp.exp2((u_t - bcast_cols(m, shape)) * c - bcast_cols(r, shape)), t_t
+
+    if overlap and not spec.interpret:
+        wait_q()
+        wait_do()
+
+        def both(dp_ref):
+            def scores(s_ref):
+                plgpu.wgmma(s_ref, k_tile, q_blk.T)
+                plgpu.wgmma(dp_ref, v_tile, do_blk.T)
+                return plgpu.wgmma_accumulator_load(s_ref, wait_n=1)  # S^T only
+
+            p, t = probabilities(pl.run_scoped(scores, plgpu.ACC(shape, jnp.float32)))
+            # Keep the exp2 before the wait for dP^T (LLVM may otherwise sink it past).
+            p, t = lax.optimization_barrier((p, t))
+            return p, t, dp_ref[...]
+
+        p_t, t_t, dp_t = pl.run_scoped(both, plgpu.ACC(shape, jnp.float32))
+        visible = None if visible_fn is None else visible_fn()
+        if visible is not None:
+            p_t = jnp.where(visible, p_t, 0.0)
+    else:
+        wait_q()
+        p_t, t_t = probabilities(matmul(k_tile, q_blk.T, shape))
+        visible = None if visible_fn is None else visible_fn()
+        if visible is not None:
+            p_t = jnp.where(visible, p_t, 0.0)
+        wait_do()
+        dp_t = matmul(v_tile, do_blk.T, shape)
     delta = plgpu.load(st.at[2], layout=plgpu.Layout.WGMMA.reduce(0))
     ds_t = p_t * (dp_t - bcast_cols(delta, shape))
     if t_t is not None:
