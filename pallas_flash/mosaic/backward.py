@@ -116,8 +116,9 @@ class MosaicBackwardConfig:
         once the TMA has read it, not once the sum has landed in global memory (the next tile
         still waits for that). NOTES.md run 31: the compute warpgroups wait ~4.5% of a 8k
         step loop for the slot at head_dim 128 (one slot); opt-in until timed compiled.
-    fused_overlap: in the fused kernel, issue dP^T = V dO^T behind S^T = K Q^T and compute
-        P^T while it runs (tiles.transposed_weights); opt-in until timed compiled.
+    fused_overlap / dkdv_overlap: in the fused kernel / the two-kernel path's dK/dV kernel
+        (head_dim 256, float16, segment ids), issue dP^T = V dO^T behind S^T = K Q^T and
+        compute P^T while it runs (tiles.transposed_weights); opt-in until timed compiled.
     fused_profile_dir: a folder for Mosaic GPU traces of the fused kernel (one per call; see
         common.profile_params), "" (the default) for none. A diagnostic: the trace
         costs shared memory and a few cycles per scope.
@@ -135,6 +136,7 @@ class MosaicBackwardConfig:
     fused_dq_slots: int = 1
     fused_early_release: bool = False
     fused_overlap: bool = False
+    dkdv_overlap: bool = False
     fused_profile_dir: str = ""
 
     def __post_init__(self):
@@ -363,7 +365,7 @@ def _dkdv_body(q_ref, k_ref, v_ref, do_ref, st_ref, q_ids_ref, kv_ids_ref, cta_s
             p_t, ds_t = transposed_weights(
                 spec, c, my_k, my_v, q_blk, do_blk, st, shape, wait_q=wait_q,
                 wait_do=lambda: plgpu.barrier_wait(do_loaded.at[slot]),
-                visible_fn=visible_fn if masked else None)
+                visible_fn=visible_fn if masked else None, overlap=cfg.dkdv_overlap)
             dv = product(dv, p_t.astype(dtype), do_blk.at[col_slice],
                           interpret=spec.interpret, stage_ref=stage)
             ds_in, rescale, fk = _cast_rows(ds_t, fk, dtype)
