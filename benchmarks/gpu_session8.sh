@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The next session's first two device calls (one H200, ~8 min each), prepared in session 7
 # (NOTES.md, "Next GPU session: the plan"). The opt-ins timed here were built in session 7 and
-# have not yet run compiled: fused_early_release (item 2), fused_overlap and dkdv_overlap
-# (item 4).
+# have not yet run compiled: fused_early_release and fused_ds_buffers=1 with a second dQ slot
+# (item 2), fused_overlap and dkdv_overlap (item 4).
 #   usage: bash benchmarks/gpu_session8.sh 1   then   bash benchmarks/gpu_session8.sh 2
 #   part 1: compiled tests of the fused and two-kernel backwards (incl. the opt-ins); where
 #           ptxas spills in the fused kernel (SASS grepped here: the dumps are too large to
@@ -12,7 +12,7 @@
 #           on-device trace (item 5); the pipelined benchmark of the head_dim 128 8k case.
 source "$(dirname "$0")/gpu_common.sh"
 PART=${1:-1}
-SED_CFG='s/ config=MosaicBackwardConfig\(.*compute_registers=([0-9]+).*fused_early_release=([A-Za-z]+), fused_overlap=([A-Za-z]+), dkdv_overlap=([A-Za-z]+).*\)/ regs=\1 early=\2 overlap=\3 dkdv_overlap=\4/'
+SED_CFG='s/ config=MosaicBackwardConfig\(.*compute_registers=([0-9]+).*fused_dq_slots=([0-9]+), fused_early_release=([A-Za-z]+), fused_ds_buffers=([0-9]+), fused_overlap=([A-Za-z]+), dkdv_overlap=([A-Za-z]+).*\)/ regs=\1 slots=\2 early=\3 ds=\4 overlap=\5 dkdv=\6/'
 
 if [ "$PART" = 1 ]; then
   timeout 170 python3 -m pytest -v --compiled -p no:cacheprovider -n 8 --timeout=160 \
@@ -35,9 +35,9 @@ if [ "$PART" = 1 ]; then
   } > "$OUT/spills.txt" 2>&1
 
   mkdir -p "$R/tune"
-  timeout 170 python3 benchmarks/mosaic_tune.py --passes bwd --head-dims 128 --causal 1,0 \
+  timeout 200 python3 benchmarks/mosaic_tune.py --passes bwd --head-dims 128 --causal 1,0 \
     --iters 5 --seq 8192 --out "$R/tune" --bwd-configs \
-    ";fused_early_release=1;fused_overlap=1;fused_early_release=1,fused_overlap=1;compute_registers=224" \
+    ";fused_early_release=1;fused_overlap=1;fused_early_release=1,fused_overlap=1;compute_registers=224;fused_ds_buffers=1,fused_dq_slots=2" \
     > "$OUT/tune.log" 2>&1
   echo "tune exit: $?" >> "$OUT/tune.log"
 else

@@ -125,6 +125,18 @@ def _check_against_reference(b, sq, skv, hq, hkv, d, options, cfg):
             np.testing.assert_array_equal(np.asarray(g), np.asarray(h))
 
 
+@needs_hopper
+@pytest.mark.parametrize("b,sq,skv,hq,hkv,d,options", [
+    c for c in CASES if c.id in ("causal-gqa", "turns-d64")])
+def test_single_ds_buffer_matches_reference(b, sq, skv, hq, hkv, d, options):
+    """`fused_ds_buffers=1` (opt-in): one dS^T buffer, a barrier per step so that neither
+    warpgroup overwrites its half before both have read the last step's, and the room spent
+    on a second dQ slot. Runs in the interpreter too (barriers are simulated there)."""
+    cfg = dataclasses.replace(mosaic.default_backward_config(d), fused_ds_buffers=1,
+                              fused_dq_slots=2)
+    _check_against_reference(b, sq, skv, hq, hkv, d, options, cfg)
+
+
 @pytest.mark.skipif(not IS_HOPPER, reason="the early slot release exists only compiled: the "
                     "interpreter's writer adds by itself (its lowering is tested on the CPU)")
 @pytest.mark.parametrize("b,sq,skv,hq,hkv,d,options", [
@@ -180,6 +192,13 @@ def test_shared_memory_is_checked():
                                       fused_dq_slots=2)
     assert "fused kernel" in mosaic.unsupported_reason(spec, q, k, v, cfg)
     assert mosaic.unsupported_reason(spec, q, k, v, FUSED) is None
+    # One dS^T buffer leaves room for the second dQ slot at 2 stages, two do not.
+    two = dataclasses.replace(FUSED, fused_dq_slots=2)
+    assert "fused kernel" in mosaic.unsupported_reason(spec, q, k, v, two)
+    assert mosaic.unsupported_reason(
+        spec, q, k, v, dataclasses.replace(two, fused_ds_buffers=1)) is None
+    with pytest.raises(ValueError, match="fused_ds_buffers"):
+        mosaic.MosaicBackwardConfig(fused_ds_buffers=3)
     with pytest.raises(ValueError, match="fused_dq_slots"):
         mosaic.MosaicBackwardConfig(fused_dq_slots=3)
 
@@ -191,9 +210,10 @@ def test_shared_memory_is_checked():
     # by itself), so lowering is where the CPU sees it.
     (128, True, {}, dict(fused_early_release=True)),
     # So does the overlap of P^T with the dP^T product (softcap: its tanh rides along).
-    (128, False, dict(window=(100, 50), softcap=30.0), dict(fused_overlap=True))],
+    (128, False, dict(window=(100, 50), softcap=30.0), dict(fused_overlap=True)),
+    (128, True, {}, dict(fused_ds_buffers=1, fused_dq_slots=2))],
     ids=["causal", "window-softcap", "causal-d64", "window-softcap-d64", "early-release",
-         "overlap-window-softcap"])
+         "overlap-window-softcap", "one-ds-buffer-two-slots"])
 def test_lowers_for_sm90(d, causal, options, overrides):
     seq = 1001
     q, k, v, _, stats, do, _ = backward_args(2, seq, seq, 4, 2, d, jnp.bfloat16)

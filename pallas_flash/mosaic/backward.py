@@ -116,6 +116,10 @@ class MosaicBackwardConfig:
         once the TMA has read it, not once the sum has landed in global memory (the next tile
         still waits for that). NOTES.md run 31: the compute warpgroups wait ~4.5% of a 8k
         step loop for the slot at head_dim 128 (one slot); opt-in until timed compiled.
+    fused_ds_buffers: dS^T buffers of the fused kernel, 2 (by step parity, the default) or 1
+        (a barrier more a step, 16 KB less: room for a second dQ slot at head_dim 128, where
+        the compute warpgroups wait ~4.5% of the step loop for the one slot, NOTES.md run 31);
+        opt-in until timed compiled.
     fused_overlap / dkdv_overlap: in the fused kernel / the two-kernel path's dK/dV kernel
         (head_dim 256, float16, segment ids), issue dP^T = V dO^T behind S^T = K Q^T and
         compute P^T while it runs (tiles.transposed_weights); opt-in until timed compiled.
@@ -135,6 +139,7 @@ class MosaicBackwardConfig:
     fused_stages: int = 2
     fused_dq_slots: int = 1
     fused_early_release: bool = False
+    fused_ds_buffers: int = 2
     fused_overlap: bool = False
     dkdv_overlap: bool = False
     fused_profile_dir: str = ""
@@ -152,6 +157,9 @@ class MosaicBackwardConfig:
         if self.fused_dq_slots not in (1, 2):
             raise ValueError("MosaicBackwardConfig.fused_dq_slots must be 1 or 2, "
                              f"got {self.fused_dq_slots}")
+        if self.fused_ds_buffers not in (1, 2):
+            raise ValueError("MosaicBackwardConfig.fused_ds_buffers must be 1 or 2, "
+                             f"got {self.fused_ds_buffers}")
         if self.dq_compute_wgs not in (1, 2):
             raise ValueError("MosaicBackwardConfig.dq_compute_wgs must be 1 or 2, "
                              f"got {self.dq_compute_wgs}")

@@ -101,11 +101,12 @@ def alternates(head_dim: int) -> bool:
     return head_dim < 128
 
 
-def smem_bytes(head_dim: int, stages: int, dq_slots: int, itemsize: int = 2) -> int:
+def smem_bytes(head_dim: int, stages: int, dq_slots: int, itemsize: int = 2,
+               ds_buffers: int = 2) -> int:
     """Shared memory of the fused kernel without Mosaic's own reserve."""
     kv = 2 * CTA_KEYS * head_dim * itemsize
     stream = stages * (2 * BLOCK_Q * head_dim * itemsize + 3 * BLOCK_Q * 4)
-    ds = 2 * CTA_KEYS * BLOCK_Q * itemsize         # two parities
+    ds = ds_buffers * CTA_KEYS * BLOCK_Q * itemsize
     dq = dq_slots * BLOCK_Q * head_dim * 4
     return kv + stream + ds + dq
 
@@ -138,9 +139,13 @@ def _first_tiles(mask, n_qblocks: int):
 def _fused_body(q_ref, k_ref, v_ref, do_ref, st_ref, dk_ref, dv_ref, dq_ref,
                 k_smem, v_smem, q_smem, do_smem, st_smem, ds_smem, dq_smem,
                 k_loaded, v_loaded, q_loaded, do_loaded, st_loaded, slot_free,
-                ds_ready, dq_ready, dq_free, both_done, *interp_smem,
+                ds_ready, dq_ready, dq_free, both_done, *extra,
                 spec: AttentionSpec, cfg, group: int, head_dim: int, q_heads: int,
                 n_qblocks: int):
+    # With one dS^T buffer (cfg.fused_ds_buffers), a barrier says both warpgroups have read
+    # the last step's dS^T before either overwrites its half.
+    single_ds = cfg.fused_ds_buffers == 1
+    ds_read, interp_smem = (extra[0], extra[1:]) if single_ds else (None, extra)
     mask = spec.mask
     dtype = q_ref.dtype
     stages, slots = cfg.fused_stages, cfg.fused_dq_slots
@@ -204,17 +209,21 @@ def _fused_body(q_ref, k_ref, v_ref, do_ref, st_ref, dk_ref, dv_ref, dq_ref,
         def exchange(t, ds_t):
             """Share dS^T, then this warpgroup's share of dQ_partial = dS K over the CTA's 128
             keys: its columns (column split) or, on its turn, all of it (`alternates`)."""
-            par = lax.rem(t, jnp.int32(2))
-            ds_smem.at[par, w][...] = ds_t
+            par = lax.rem(t, jnp.int32(2))      # the step's parity: whose turn it is
+            buf = jnp.int32(0) if single_ds else par
+            if single_ds:
+                with jax.named_scope("ds_read_wait"):
+                    pl.when(t > 0)(lambda: plgpu.barrier_wait(ds_read))
+            ds_smem.at[buf, w][...] = ds_t
             plgpu.commit_smem()
-            plgpu.barrier_arrive(ds_ready.at[par])
+            plgpu.barrier_arrive(ds_ready.at[buf])
             with jax.named_scope("ds_wait"):
-                plgpu.barrier_wait(ds_ready.at[par])
+                plgpu.barrier_wait(ds_ready.at[buf])
 
             def run(acc_ref):
                 for rt in range(2):
                     k_tile = k_smem.at[rt] if by_turns else k_smem.at[rt].at[:, pl.ds(col0, cols)]
-                    plgpu.wgmma(acc_ref, ds_smem.at[par, rt].T, k_tile)
+                    plgpu.wgmma(acc_ref, ds_smem.at[buf, rt].T, k_tile)
                 return acc_ref[...]
 
             def slot_released():
@@ -244,6 +253,8 @@ def _fused_body(q_ref, k_ref, v_ref, do_ref, st_ref, dk_ref, dv_ref, dq_ref,
                 dslot = lax.rem(t, jnp.int32(slots))
             else:
                 dslot = product_to_slot()
+            if single_ds:
+                plgpu.barrier_arrive(ds_read)   # this warpgroup is done with dS^T
             plgpu.barrier_arrive(dq_ready.at[dslot])
 
         def step(h, i, carry, masked: bool):
@@ -319,6 +330,8 @@ def _fused_body(q_ref, k_ref, v_ref, do_ref, st_ref, dk_ref, dv_ref, dq_ref,
                                  carry)
                 downward(cta_lo, lo, heads(drained), None)
                 dk, dv = carry
+        if single_ds:   # the last step's release (interpret mode checks every phase is awaited)
+            pl.when(total > 0)(lambda: plgpu.barrier_wait(ds_read))
 
         # Observe the writer's last releases (interpret mode checks every phase is awaited).
         with jax.named_scope("writer_tail"):
@@ -458,7 +471,7 @@ def _fused(q, k, v, do, rows, *, spec: AttentionSpec, cfg):
         plgpu.SMEM((stages, BLOCK_Q, head_dim), dtype),      # Q stream
         plgpu.SMEM((stages, BLOCK_Q, head_dim), dtype),      # dO stream
         plgpu.SMEM((stages, 3, BLOCK_Q), jnp.float32),       # m, r, D stream
-        plgpu.SMEM((2, 2, WG_ROWS, BLOCK_Q), dtype),         # dS^T [parity, key tile]
+        plgpu.SMEM((cfg.fused_ds_buffers, 2, WG_ROWS, BLOCK_Q), dtype),  # dS^T [parity, key tile]
         plgpu.SMEM((slots, BLOCK_Q, head_dim), jnp.float32), # dQ tiles
         plgpu.Barrier(num_barriers=2),
         plgpu.Barrier(num_barriers=2),
@@ -466,11 +479,13 @@ def _fused(q, k, v, do, rows, *, spec: AttentionSpec, cfg):
         plgpu.Barrier(num_barriers=stages),
         plgpu.Barrier(num_barriers=stages),
         plgpu.Barrier(num_arrivals=2, num_barriers=stages),
-        plgpu.Barrier(num_arrivals=2, num_barriers=2),       # dS^T halves written
+        plgpu.Barrier(num_arrivals=2, num_barriers=cfg.fused_ds_buffers),  # dS^T halves written
         plgpu.Barrier(num_arrivals=2, num_barriers=slots),   # dQ tile written
         plgpu.Barrier(num_barriers=slots),                   # dQ tile sent
         plgpu.Barrier(num_arrivals=2),                       # K no longer read
     ]
+    if cfg.fused_ds_buffers == 1:
+        scratch.append(plgpu.Barrier(num_arrivals=2))        # dS^T read by both
     if spec.interpret:
         scratch += [plgpu.SMEM((2, WG_ROWS, BLOCK_Q), dtype),
                     plgpu.SMEM((BLOCK_Q, head_dim), jnp.float32),
@@ -509,7 +524,8 @@ def _fused(q, k, v, do, rows, *, spec: AttentionSpec, cfg):
 
 
 def check_smem(cfg, head_dim: int, reserved: int) -> str | None:
-    need = smem_bytes(head_dim, cfg.fused_stages, cfg.fused_dq_slots) + reserved
+    need = smem_bytes(head_dim, cfg.fused_stages, cfg.fused_dq_slots,
+                      ds_buffers=cfg.fused_ds_buffers) + reserved
     if need > SMEM_LIMIT:
         return (f"mosaic backward: config {cfg} needs {need} bytes of shared memory in the "
                 f"fused kernel at head_dim {head_dim} (limit {SMEM_LIMIT})")
