@@ -53,7 +53,8 @@ def main():
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--seq", type=int, default=8192)
     p.add_argument("--block-kv", type=int, default=128)
-    p.add_argument("--overlap", default="0,1")
+    p.add_argument("--overlap", default="0,1", help="forward: 0 / 1 (ping-pong otherwise), "
+                   "or 'default' for the default config; comma list")
     p.add_argument("--kernel", choices=("fwd", "bwd"), default="fwd")
     p.add_argument("--causal", default="1,0", help="backward only")
     args = p.parse_args()
@@ -67,8 +68,10 @@ def main():
     spec = AttentionSpec(mask=make_mask_spec(s, s, causal=False), scale=1 / math.sqrt(d),
                          softcap=None, has_segments=False, precision=lax.Precision.DEFAULT,
                          config=pf.default_config(d, jnp.bfloat16), interpret=False)
-    for ov in (bool(int(x)) for x in args.overlap.split(",")):
-        cfg = mf.MosaicForwardConfig(block_kv=args.block_kv, overlap=ov)
+    for ov in args.overlap.split(","):
+        # "default": the head_dim's default config, as users run it.
+        cfg = (mf.default_forward_config(d) if ov == "default"
+               else mf.MosaicForwardConfig(block_kv=args.block_kv, overlap=bool(int(ov))))
         print(f"=== {cfg}", flush=True)
         fn = jax.jit(lambda q, k, v, cfg=cfg: mf.forward(spec, q, k, v, config=cfg))
         _, t = timed(fn, (q, k, v), 10)
