@@ -48,6 +48,11 @@ Speed (H200, batch 2, seq 8192, kernel alone, non-causal / causal TFLOP/s; NOTES
 kernels 413-428 / 421-429); 32 heads at head_dim 64 389 / 352 (0.85 / 0.86x; two kernels 329 /
 333); GQA 32:8 at head_dim 128 causal 460 (0.90x; two kernels 429).
 
+Opt-ins built after run 31's trace (NOTES.md: ~8% of a step loop is stalls), off by default
+until timed compiled: `fused_early_release` (the writer frees a dQ slot once the TMA has read
+it), `fused_ds_buffers=1` (one dS^T buffer, a barrier per step, room for a second dQ slot at
+head_dim 128), `fused_overlap` (P^T formed while dP^T runs, tiles.transposed_weights).
+
 The partials are scaled before they are summed; the float32 sum is cast in XLA after the
 kernel, and q blocks no tile sees (never written) are zeroed there.
 
@@ -509,7 +514,10 @@ def _fused(q, k, v, do, rows, *, spec: AttentionSpec, cfg):
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(
             approx_math=True,
-            **profile_params(cfg.fused_profile_dir, 2 * n_qblocks * group + 8)),
+            # Scopes entered once a step (slot_wait, ds_wait, with one dS^T buffer
+            # ds_read_wait), and a few more.
+            **profile_params(cfg.fused_profile_dir,
+                             (3 if cfg.fused_ds_buffers == 1 else 2) * n_qblocks * group + 8)),
         interpret=plgpu.InterpretGPUParams() if spec.interpret else None,
         kernel_name=FUSED_KERNEL_NAME,
     )(q, k, v, do, rows)
