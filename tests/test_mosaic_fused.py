@@ -137,6 +137,17 @@ def test_single_ds_buffer_matches_reference(b, sq, skv, hq, hkv, d, options):
     _check_against_reference(b, sq, skv, hq, hkv, d, options, cfg)
 
 
+@needs_hopper
+@pytest.mark.parametrize("b,sq,skv,hq,hkv,d,options", [
+    c for c in CASES if c.id in ("causal-gqa", "turns-d64", "partial-bottom-right-mqa")])
+def test_deferred_dq_product_matches_reference(b, sq, skv, hq, hkv, d, options):
+    """`fused_defer_dq` (opt-in): each step's dQ product is made one step later, from a third
+    dS^T buffer, so the compute warpgroups may drift a step apart. Same products, same add
+    order. Runs in the interpreter too (barriers are simulated there)."""
+    cfg = dataclasses.replace(mosaic.default_backward_config(d), fused_defer_dq=True)
+    _check_against_reference(b, sq, skv, hq, hkv, d, options, cfg)
+
+
 @pytest.mark.skipif(not IS_HOPPER, reason="the early slot release exists only compiled: the "
                     "interpreter's writer adds by itself (its lowering is tested on the CPU)")
 @pytest.mark.parametrize("b,sq,skv,hq,hkv,d,options", [
@@ -199,6 +210,11 @@ def test_shared_memory_is_checked():
         spec, q, k, v, dataclasses.replace(two, fused_ds_buffers=1)) is None
     with pytest.raises(ValueError, match="fused_ds_buffers"):
         mosaic.MosaicBackwardConfig(fused_ds_buffers=3)
+    with pytest.raises(ValueError, match="fused_defer_dq"):
+        mosaic.MosaicBackwardConfig(fused_defer_dq=True, fused_ds_buffers=1)
+    # Deferred: three dS^T buffers (16 KB more) still fit at head_dim 128 with one dQ slot.
+    assert mosaic.unsupported_reason(
+        spec, q, k, v, dataclasses.replace(FUSED, fused_defer_dq=True)) is None
     with pytest.raises(ValueError, match="fused_dq_slots"):
         mosaic.MosaicBackwardConfig(fused_dq_slots=3)
 
@@ -211,9 +227,10 @@ def test_shared_memory_is_checked():
     (128, True, {}, dict(fused_early_release=True)),
     # So does the overlap of P^T with the dP^T product (softcap: its tanh rides along).
     (128, False, dict(window=(100, 50), softcap=30.0), dict(fused_overlap=True)),
-    (128, True, {}, dict(fused_ds_buffers=1, fused_dq_slots=2))],
+    (128, True, {}, dict(fused_ds_buffers=1, fused_dq_slots=2)),
+    (64, True, {}, dict(fused_defer_dq=True))],
     ids=["causal", "window-softcap", "causal-d64", "window-softcap-d64", "early-release",
-         "overlap-window-softcap", "one-ds-buffer-two-slots"])
+         "overlap-window-softcap", "one-ds-buffer-two-slots", "deferred-dq-d64"])
 def test_lowers_for_sm90(d, causal, options, overrides):
     seq = 1001
     q, k, v, _, stats, do, _ = backward_args(2, seq, seq, 4, 2, d, jnp.bfloat16)

@@ -120,6 +120,11 @@ class MosaicBackwardConfig:
         (a barrier more a step, 16 KB less: room for a second dQ slot at head_dim 128, where
         the compute warpgroups wait ~4.5% of the step loop for the one slot, NOTES.md run 31);
         opt-in until timed compiled.
+    fused_defer_dq: in the fused kernel, make each step's dQ product one step later, before
+        sharing the next dS^T (three dS^T buffers, 16 KB more), so that the compute warpgroups
+        wait for each other's previous step rather than meet at every step (NOTES.md run 31:
+        that meeting costs ~3.7% of the step loop, and keeps their exp2 phases together);
+        opt-in until timed compiled.
     fused_overlap / dkdv_overlap: in the fused kernel / the two-kernel path's dK/dV kernel
         (head_dim 256, float16, segment ids), issue dP^T = V dO^T behind S^T = K Q^T and
         compute P^T while it runs (tiles.transposed_weights); opt-in until timed compiled.
@@ -140,6 +145,7 @@ class MosaicBackwardConfig:
     fused_dq_slots: int = 1
     fused_early_release: bool = False
     fused_ds_buffers: int = 2
+    fused_defer_dq: bool = False
     fused_overlap: bool = False
     dkdv_overlap: bool = False
     fused_profile_dir: str = ""
@@ -160,6 +166,9 @@ class MosaicBackwardConfig:
         if self.fused_ds_buffers not in (1, 2):
             raise ValueError("MosaicBackwardConfig.fused_ds_buffers must be 1 or 2, "
                              f"got {self.fused_ds_buffers}")
+        if self.fused_defer_dq and self.fused_ds_buffers != 2:
+            raise ValueError("MosaicBackwardConfig.fused_defer_dq brings its own three dS^T "
+                             "buffers: leave fused_ds_buffers at 2")
         if self.dq_compute_wgs not in (1, 2):
             raise ValueError("MosaicBackwardConfig.dq_compute_wgs must be 1 or 2, "
                              f"got {self.dq_compute_wgs}")

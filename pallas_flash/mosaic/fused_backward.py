@@ -51,7 +51,9 @@ kernels 413-428 / 421-429); 32 heads at head_dim 64 389 / 352 (0.85 / 0.86x; two
 Opt-ins built after run 31's trace (NOTES.md: ~8% of a step loop is stalls), off by default
 until timed compiled: `fused_early_release` (the writer frees a dQ slot once the TMA has read
 it), `fused_ds_buffers=1` (one dS^T buffer, a barrier per step, room for a second dQ slot at
-head_dim 128), `fused_overlap` (P^T formed while dP^T runs, tiles.transposed_weights).
+head_dim 128), `fused_overlap` (P^T formed while dP^T runs, tiles.transposed_weights),
+`fused_defer_dq` (each step's dQ product made one step later, so that the compute warpgroups
+need not meet at every step; three dS^T buffers).
 
 The partials are scaled before they are summed; the float32 sum is cast in XLA after the
 kernel, and q blocks no tile sees (never written) are zeroed there.
@@ -129,6 +131,12 @@ def unsupported_reason(spec: AttentionSpec, q, k, cfg) -> str | None:
     return None
 
 
+def ds_buffers(cfg) -> int:
+    """dS^T buffers: by step parity (2), one (cfg.fused_ds_buffers=1), or three when the dQ
+    product lags a step (cfg.fused_defer_dq; `exchange` says why three)."""
+    return 3 if cfg.fused_defer_dq else cfg.fused_ds_buffers
+
+
 def side_registers(compute_registers: int) -> int:
     """Registers per thread of the copy and writer warpgroups, a multiple of 8."""
     return (REGISTER_POOL - 2 * compute_registers) // 2 // 8 * 8
@@ -151,6 +159,7 @@ def _fused_body(q_ref, k_ref, v_ref, do_ref, st_ref, dk_ref, dv_ref, dq_ref,
     # the last step's dS^T before either overwrites its half.
     single_ds = cfg.fused_ds_buffers == 1
     ds_read, interp_smem = (extra[0], extra[1:]) if single_ds else (None, extra)
+    defer = cfg.fused_defer_dq
     mask = spec.mask
     dtype = q_ref.dtype
     stages, slots = cfg.fused_stages, cfg.fused_dq_slots
@@ -211,17 +220,40 @@ def _fused_body(q_ref, k_ref, v_ref, do_ref, st_ref, dk_ref, dv_ref, dq_ref,
             plgpu.barrier_wait(k_loaded.at[1])
             plgpu.barrier_wait(v_loaded.at[w])
 
-        def exchange(t, ds_t):
-            """Share dS^T, then this warpgroup's share of dQ_partial = dS K over the CTA's 128
-            keys: its columns (column split) or, on its turn, all of it (`alternates`)."""
-            par = lax.rem(t, jnp.int32(2))      # the step's parity: whose turn it is
-            buf = jnp.int32(0) if single_ds else par
+        def share(t, buf, ds_t):
+            """Put this warpgroup's half of step t's dS^T in buffer `buf`."""
             if single_ds:
                 with jax.named_scope("ds_read_wait"):
                     pl.when(t > 0)(lambda: plgpu.barrier_wait(ds_read))
             ds_smem.at[buf, w][...] = ds_t
             plgpu.commit_smem()
             plgpu.barrier_arrive(ds_ready.at[buf])
+
+        def exchange(t, ds_t):
+            """Share dS^T, then this warpgroup's share of dQ_partial = dS K over the CTA's 128
+            keys: its columns (column split) or, on its turn, all of it (`alternates`).
+
+            With cfg.fused_defer_dq the product is the previous step's, made before this
+            step's dS^T is shared (three buffers): a warpgroup then waits only for the other's
+            previous step, so the two may drift up to a step apart instead of meeting at every
+            step. Three suffice: when a warpgroup shares step t + 1, the other has shared step
+            t, so it has finished its products up to step t - 1, and buffer (t + 1) % 3 last
+            held step t - 2."""
+            if defer:
+                def previous():
+                    tp = t - 1
+                    dq_product(tp, lax.rem(tp, jnp.int32(2)), lax.rem(tp, jnp.int32(3)))
+
+                pl.when(t > 0)(previous)
+                share(t, lax.rem(t, jnp.int32(3)), ds_t)
+                return
+            par = lax.rem(t, jnp.int32(2))      # the step's parity: whose turn it is
+            buf = jnp.int32(0) if single_ds else par
+            share(t, buf, ds_t)
+            dq_product(t, par, buf)
+
+        def dq_product(t, par, buf):
+            """Step t's dQ_partial (this warpgroup's share) from buffer `buf` to a dQ slot."""
             with jax.named_scope("ds_wait"):
                 plgpu.barrier_wait(ds_ready.at[buf])
 
@@ -335,6 +367,10 @@ def _fused_body(q_ref, k_ref, v_ref, do_ref, st_ref, dk_ref, dv_ref, dq_ref,
                                  carry)
                 downward(cta_lo, lo, heads(drained), None)
                 dk, dv = carry
+        if defer:       # the last step's deferred dQ product
+            last = total - 1
+            pl.when(total > 0)(lambda: dq_product(last, lax.rem(last, jnp.int32(2)),
+                                                  lax.rem(last, jnp.int32(3))))
         if single_ds:   # the last step's release (interpret mode checks every phase is awaited)
             pl.when(total > 0)(lambda: plgpu.barrier_wait(ds_read))
 
@@ -476,7 +512,7 @@ def _fused(q, k, v, do, rows, *, spec: AttentionSpec, cfg):
         plgpu.SMEM((stages, BLOCK_Q, head_dim), dtype),      # Q stream
         plgpu.SMEM((stages, BLOCK_Q, head_dim), dtype),      # dO stream
         plgpu.SMEM((stages, 3, BLOCK_Q), jnp.float32),       # m, r, D stream
-        plgpu.SMEM((cfg.fused_ds_buffers, 2, WG_ROWS, BLOCK_Q), dtype),  # dS^T [parity, key tile]
+        plgpu.SMEM((ds_buffers(cfg), 2, WG_ROWS, BLOCK_Q), dtype),  # dS^T [buffer, key tile]
         plgpu.SMEM((slots, BLOCK_Q, head_dim), jnp.float32), # dQ tiles
         plgpu.Barrier(num_barriers=2),
         plgpu.Barrier(num_barriers=2),
@@ -484,7 +520,7 @@ def _fused(q, k, v, do, rows, *, spec: AttentionSpec, cfg):
         plgpu.Barrier(num_barriers=stages),
         plgpu.Barrier(num_barriers=stages),
         plgpu.Barrier(num_arrivals=2, num_barriers=stages),
-        plgpu.Barrier(num_arrivals=2, num_barriers=cfg.fused_ds_buffers),  # dS^T halves written
+        plgpu.Barrier(num_arrivals=2, num_barriers=ds_buffers(cfg)),  # dS^T halves written
         plgpu.Barrier(num_arrivals=2, num_barriers=slots),   # dQ tile written
         plgpu.Barrier(num_barriers=slots),                   # dQ tile sent
         plgpu.Barrier(num_arrivals=2),                       # K no longer read
@@ -533,7 +569,7 @@ def _fused(q, k, v, do, rows, *, spec: AttentionSpec, cfg):
 
 def check_smem(cfg, head_dim: int, reserved: int) -> str | None:
     need = smem_bytes(head_dim, cfg.fused_stages, cfg.fused_dq_slots,
-                      ds_buffers=cfg.fused_ds_buffers) + reserved
+                      ds_buffers=ds_buffers(cfg)) + reserved
     if need > SMEM_LIMIT:
         return (f"mosaic backward: config {cfg} needs {need} bytes of shared memory in the "
                 f"fused kernel at head_dim {head_dim} (limit {SMEM_LIMIT})")
