@@ -4,6 +4,8 @@
 # have not yet run compiled: fused_early_release and fused_ds_buffers=1 with a second dQ slot
 # (item 2), fused_overlap, dkdv_overlap and fused_defer_dq (item 4).
 #   usage: bash benchmarks/gpu_session8.sh 1   then   bash benchmarks/gpu_session8.sh 2
+#   (part 1's tune line: if the opt-ins are already known, trim its configs; with all eight
+#   it takes ~4 min of the ~9.)
 #   part 1: compiled tests of the fused and two-kernel backwards (incl. the opt-ins); where
 #           ptxas spills in the fused kernel (SASS grepped here: the dumps are too large to
 #           bring back); the opt-ins and a register split against the default, kernel alone,
@@ -14,7 +16,7 @@
 #           head_dim 256; the forward's on-device trace (item 5).
 source "$(dirname "$0")/gpu_common.sh"
 PART=${1:-1}
-SED_CFG='s/ config=MosaicBackwardConfig\(.*compute_registers=([0-9]+).*fused_dq_slots=([0-9]+), fused_early_release=([A-Za-z]+), fused_ds_buffers=([0-9]+), fused_defer_dq=([A-Za-z]+), fused_overlap=([A-Za-z]+), dkdv_overlap=([A-Za-z]+).*\)/ regs=\1 slots=\2 early=\3 ds=\4 defer=\5 overlap=\6 dkdv=\7/'
+SED_CFG='s/ config=MosaicBackwardConfig\(.*compute_registers=([0-9]+).*fused_dq_slots=([0-9]+), fused_early_release=([A-Za-z]+), fused_ds_buffers=([0-9]+), fused_defer_dq=([A-Za-z]+), fused_overlap=([0-9]+), dkdv_overlap=([0-9]+).*\)/ regs=\1 slots=\2 early=\3 ds=\4 defer=\5 overlap=\6 dkdv=\7/'
 
 if [ "$PART" = 1 ]; then
   timeout 170 python3 -m pytest -v --compiled -p no:cacheprovider -n 8 --timeout=160 \
@@ -37,9 +39,9 @@ if [ "$PART" = 1 ]; then
   } > "$OUT/spills.txt" 2>&1
 
   mkdir -p "$R/tune"
-  timeout 230 python3 benchmarks/mosaic_tune.py --passes bwd --head-dims 128 --causal 1,0 \
+  timeout 250 python3 benchmarks/mosaic_tune.py --passes bwd --head-dims 128 --causal 1,0 \
     --iters 5 --seq 8192 --out "$R/tune" --bwd-configs \
-    ";fused_early_release=1;fused_overlap=1;fused_defer_dq=1;fused_ds_buffers=1,fused_dq_slots=2;compute_registers=224;fused_early_release=1,fused_overlap=1,fused_defer_dq=1" \
+    ";fused_early_release=1;fused_overlap=1;fused_overlap=2;fused_defer_dq=1;fused_ds_buffers=1,fused_dq_slots=2;compute_registers=224;fused_early_release=1,fused_overlap=2,fused_defer_dq=1" \
     > "$OUT/tune.log" 2>&1
   echo "tune exit: $?" >> "$OUT/tune.log"
 else
@@ -54,7 +56,7 @@ else
   mkdir -p "$R/tune16" "$R/tune256" "$R/trace"
   timeout 90 python3 benchmarks/mosaic_tune.py --passes bwd --head-dims 128 --causal 1,0 \
     --iters 5 --seq 16384 --out "$R/tune16" \
-    --bwd-configs ";fused_early_release=1,fused_overlap=1,fused_defer_dq=1" \
+    --bwd-configs ";fused_early_release=1,fused_overlap=2,fused_defer_dq=1" \
     > "$OUT/tune.log" 2>&1
   echo "tune exit: $?" >> "$OUT/tune.log"
   timeout 80 python3 benchmarks/mosaic_tune.py --passes bwd --head-dims 256 --causal 1,0 \

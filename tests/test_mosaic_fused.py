@@ -164,10 +164,11 @@ def test_early_release_matches_reference(b, sq, skv, hq, hkv, d, options):
                     "the interpreter runs the products one by one (lowering tested on the CPU)")
 @pytest.mark.parametrize("b,sq,skv,hq,hkv,d,options", [
     c for c in CASES if c.id in ("causal-gqa", "window-softcap", "turns-d64")])
-def test_overlap_matches_reference(b, sq, skv, hq, hkv, d, options):
-    """`fused_overlap`: dP^T = V dO^T is issued behind S^T and P^T computed while it runs; the
-    same products, so the same sums."""
-    cfg = dataclasses.replace(mosaic.default_backward_config(d), fused_overlap=True)
+@pytest.mark.parametrize("level", [1, 2])
+def test_overlap_matches_reference(b, sq, skv, hq, hkv, d, options, level):
+    """`fused_overlap`: dP^T = V dO^T is issued behind S^T and P^T computed while it runs (1),
+    and dS^T formed while the dV product runs (2); the same products, so the same sums."""
+    cfg = dataclasses.replace(mosaic.default_backward_config(d), fused_overlap=level)
     _check_against_reference(b, sq, skv, hq, hkv, d, options, cfg)
 
 
@@ -228,9 +229,11 @@ def test_shared_memory_is_checked():
     # So does the overlap of P^T with the dP^T product (softcap: its tanh rides along).
     (128, False, dict(window=(100, 50), softcap=30.0), dict(fused_overlap=True)),
     (128, True, {}, dict(fused_ds_buffers=1, fused_dq_slots=2)),
-    (64, True, {}, dict(fused_defer_dq=True))],
+    (64, True, {}, dict(fused_defer_dq=True)),
+    (128, True, {}, dict(fused_overlap=1)), (64, False, dict(softcap=30.0), dict(fused_overlap=2))],
     ids=["causal", "window-softcap", "causal-d64", "window-softcap-d64", "early-release",
-         "overlap-window-softcap", "one-ds-buffer-two-slots", "deferred-dq-d64"])
+         "overlap-window-softcap", "one-ds-buffer-two-slots", "deferred-dq-d64", "overlap-causal",
+         "overlap2-softcap-d64"])
 def test_lowers_for_sm90(d, causal, options, overrides):
     seq = 1001
     q, k, v, _, stats, do, _ = backward_args(2, seq, seq, 4, 2, d, jnp.bfloat16)

@@ -126,8 +126,10 @@ class MosaicBackwardConfig:
         that meeting costs ~3.7% of the step loop, and keeps their exp2 phases together);
         opt-in until timed compiled.
     fused_overlap / dkdv_overlap: in the fused kernel / the two-kernel path's dK/dV kernel
-        (head_dim 256, float16, segment ids), issue dP^T = V dO^T behind S^T = K Q^T and
-        compute P^T while it runs (tiles.transposed_weights); opt-in until timed compiled.
+        (head_dim 256, float16, segment ids), 1: issue dP^T = V dO^T behind S^T = K Q^T and
+        compute P^T while it runs (tiles.transposed_weights); fused_overlap 2: also form dS^T
+        while the dV product runs (tiles.weights_then_dv); 0: neither. Opt-in until timed
+        compiled.
     fused_profile_dir: a folder for Mosaic GPU traces of the fused kernel (one per call; see
         common.profile_params), "" (the default) for none. A diagnostic: the trace
         costs shared memory and a few cycles per scope.
@@ -146,8 +148,8 @@ class MosaicBackwardConfig:
     fused_early_release: bool = False
     fused_ds_buffers: int = 2
     fused_defer_dq: bool = False
-    fused_overlap: bool = False
-    dkdv_overlap: bool = False
+    fused_overlap: int = 0
+    dkdv_overlap: int = 0
     fused_profile_dir: str = ""
 
     def __post_init__(self):
@@ -166,6 +168,10 @@ class MosaicBackwardConfig:
         if self.fused_ds_buffers not in (1, 2):
             raise ValueError("MosaicBackwardConfig.fused_ds_buffers must be 1 or 2, "
                              f"got {self.fused_ds_buffers}")
+        if self.fused_overlap not in (0, 1, 2) or self.dkdv_overlap not in (0, 1):
+            raise ValueError("MosaicBackwardConfig.fused_overlap must be 0, 1 or 2 and "
+                             f"dkdv_overlap 0 or 1, got {self.fused_overlap}, "
+                             f"{self.dkdv_overlap}")
         if self.fused_defer_dq and self.fused_ds_buffers != 2:
             raise ValueError("MosaicBackwardConfig.fused_defer_dq brings its own three dS^T "
                              "buffers: leave fused_ds_buffers at 2")

@@ -51,7 +51,8 @@ kernels 413-428 / 421-429); 32 heads at head_dim 64 389 / 352 (0.85 / 0.86x; two
 Opt-ins built after run 31's trace (NOTES.md: ~8% of a step loop is stalls), off by default
 until timed compiled: `fused_early_release` (the writer frees a dQ slot once the TMA has read
 it), `fused_ds_buffers=1` (one dS^T buffer, a barrier per step, room for a second dQ slot at
-head_dim 128), `fused_overlap` (P^T formed while dP^T runs, tiles.transposed_weights),
+head_dim 128), `fused_overlap` (1: P^T formed while dP^T runs, tiles.transposed_weights; 2:
+also dS^T while the dV product runs, tiles.weights_then_dv),
 `fused_defer_dq` (each step's dQ product made one step later, so that the compute warpgroups
 need not meet at every step; three dS^T buffers).
 
@@ -78,7 +79,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_flash.mosaic.common import (SMEM_LIMIT, clamp_range, grid_position,
                                        profile_params, stream_through_slots)
-from pallas_flash.mosaic.tiles import WG_ROWS, positions, product, transposed_weights, zeros_acc
+from pallas_flash.mosaic.tiles import (WG_ROWS, positions, product, transposed_weights,
+                                      weights_then_dv, zeros_acc)
 from pallas_flash.spec import AttentionSpec
 from pallas_flash.stats import LOG2E, logit_scale
 
@@ -307,12 +309,17 @@ def _fused_body(q_ref, k_ref, v_ref, do_ref, st_ref, dk_ref, dv_ref, dq_ref,
                 k_pos, q_pos = positions(shape, key0, i * BLOCK_Q)
                 return mask.visible(q_pos, k_pos, kv_len)
 
-            p_t, ds_t = transposed_weights(
-                spec, c, my_k, my_v, q_blk, do_blk, st, shape, wait_q=wait_q,
-                wait_do=lambda: plgpu.barrier_wait(do_loaded.at[slot]),
-                visible_fn=visible_fn if masked else None, overlap=cfg.fused_overlap)
-            dv = product(dv, p_t.astype(dtype), do_blk, interpret=spec.interpret,
-                         stage_ref=stage)
+            weights_args = (spec, c, my_k, my_v, q_blk, do_blk, st, shape)
+            weights_kw = dict(wait_q=wait_q,
+                              wait_do=lambda: plgpu.barrier_wait(do_loaded.at[slot]),
+                              visible_fn=visible_fn if masked else None)
+            if cfg.fused_overlap >= 2 and not spec.interpret:
+                dv, ds_t = weights_then_dv(*weights_args, dv, dtype, **weights_kw)
+            else:
+                p_t, ds_t = transposed_weights(*weights_args, overlap=cfg.fused_overlap,
+                                               **weights_kw)
+                dv = product(dv, p_t.astype(dtype), do_blk, interpret=spec.interpret,
+                             stage_ref=stage)
             ds_t = ds_t.astype(dtype)
             dk = product(dk, ds_t, q_blk, interpret=spec.interpret, stage_ref=stage)
             plgpu.barrier_arrive(slot_free.at[slot])  # Q, dO, stats of this step are read
