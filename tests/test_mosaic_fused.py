@@ -125,50 +125,39 @@ def _check_against_reference(b, sq, skv, hq, hkv, d, options, cfg):
             np.testing.assert_array_equal(np.asarray(g), np.asarray(h))
 
 
-@needs_hopper
-@pytest.mark.parametrize("b,sq,skv,hq,hkv,d,options", [
-    c for c in CASES if c.id in ("causal-gqa", "turns-d64")])
-def test_single_ds_buffer_matches_reference(b, sq, skv, hq, hkv, d, options):
-    """`fused_ds_buffers=1` (opt-in): one dS^T buffer, a barrier per step so that neither
-    warpgroup overwrites its half before both have read the last step's, and the room spent
-    on a second dQ slot. Runs in the interpreter too (barriers are simulated there)."""
-    cfg = dataclasses.replace(mosaic.default_backward_config(d), fused_ds_buffers=1,
-                              fused_dq_slots=2)
-    _check_against_reference(b, sq, skv, hq, hkv, d, options, cfg)
+# The opt-in variants (MosaicBackwardConfig; NOTES.md run 31 and the plan): (name, config
+# overrides, whether the interpreter runs the variant, the CASES it runs on).
+OPT_INS = [
+    # One dS^T buffer, a barrier per step so that neither warpgroup overwrites its half before
+    # both have read the last step's, and the room spent on a second dQ slot.
+    ("single-ds-buffer", dict(fused_ds_buffers=1, fused_dq_slots=2), True,
+     ("causal-gqa", "turns-d64")),
+    # Each step's dQ product made one step later, from a third dS^T buffer, so the compute
+    # warpgroups may drift a step apart: same products, same add order.
+    ("deferred-dq", dict(fused_defer_dq=True), True, ("causal-gqa", "turns-d64")),
+    # The writer hands a dQ slot back once the TMA has read it and signals the next tile once
+    # the sum has landed. Compiled only: the interpreter's writer adds by itself.
+    ("early-release", dict(fused_early_release=True), False,
+     ("causal-gqa", "full", "turns-d64")),
+    # dP^T issued behind S^T and P^T formed while it runs (1), and dS^T formed while the dV
+    # product runs (2). Compiled only: the interpreter runs the products one by one.
+    ("overlap1", dict(fused_overlap=1), False, ("causal-gqa", "window-softcap", "turns-d64")),
+    ("overlap2", dict(fused_overlap=2), False, ("causal-gqa", "window-softcap", "turns-d64")),
+]
+COMPILED_ONLY = pytest.mark.skipif(
+    not IS_HOPPER, reason="this variant exists only compiled (its sm_90 lowering is tested on "
+    "the CPU, test_lowers_for_sm90)")
 
 
 @needs_hopper
-@pytest.mark.parametrize("b,sq,skv,hq,hkv,d,options", [
-    c for c in CASES if c.id in ("causal-gqa", "turns-d64")])
-def test_deferred_dq_product_matches_reference(b, sq, skv, hq, hkv, d, options):
-    """`fused_defer_dq` (opt-in): each step's dQ product is made one step later, from a third
-    dS^T buffer, so the compute warpgroups may drift a step apart. Same products, same add
-    order. Runs in the interpreter too (barriers are simulated there)."""
-    cfg = dataclasses.replace(mosaic.default_backward_config(d), fused_defer_dq=True)
-    _check_against_reference(b, sq, skv, hq, hkv, d, options, cfg)
-
-
-@pytest.mark.skipif(not IS_HOPPER, reason="the early slot release exists only compiled: the "
-                    "interpreter's writer adds by itself (its lowering is tested on the CPU)")
-@pytest.mark.parametrize("b,sq,skv,hq,hkv,d,options", [
-    c for c in CASES if c.id in ("causal-gqa", "full", "turns-d64")])
-def test_early_release_matches_reference(b, sq, skv, hq, hkv, d, options):
-    """`fused_early_release`: the writer hands a dQ slot back once the TMA has read it, and
-    signals the next tile only once the sum has landed; same sums, same order, same bits
-    from call to call."""
-    cfg = dataclasses.replace(mosaic.default_backward_config(d), fused_early_release=True)
-    _check_against_reference(b, sq, skv, hq, hkv, d, options, cfg)
-
-
-@pytest.mark.skipif(not IS_HOPPER, reason="the overlap of P^T with dP^T exists only compiled: "
-                    "the interpreter runs the products one by one (lowering tested on the CPU)")
-@pytest.mark.parametrize("b,sq,skv,hq,hkv,d,options", [
-    c for c in CASES if c.id in ("causal-gqa", "window-softcap", "turns-d64")])
-@pytest.mark.parametrize("level", [1, 2])
-def test_overlap_matches_reference(b, sq, skv, hq, hkv, d, options, level):
-    """`fused_overlap`: dP^T = V dO^T is issued behind S^T and P^T computed while it runs (1),
-    and dS^T formed while the dV product runs (2); the same products, so the same sums."""
-    cfg = dataclasses.replace(mosaic.default_backward_config(d), fused_overlap=level)
+@pytest.mark.parametrize("b,sq,skv,hq,hkv,d,options,overrides", [
+    pytest.param(*case.values, overrides, id=f"{name}-{case.id}",
+                 marks=() if interpreted else COMPILED_ONLY)
+    for name, overrides, interpreted, ids in OPT_INS for case in CASES if case.id in ids])
+def test_opt_in_matches_reference(b, sq, skv, hq, hkv, d, options, overrides):
+    """Each opt-in variant against the float32 reference, with the bitwise repeat compiled:
+    the same products and the same add order as the default kernel."""
+    cfg = dataclasses.replace(mosaic.default_backward_config(d), **overrides)
     _check_against_reference(b, sq, skv, hq, hkv, d, options, cfg)
 
 

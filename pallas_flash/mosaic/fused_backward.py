@@ -242,17 +242,17 @@ def _fused_body(q_ref, k_ref, v_ref, do_ref, st_ref, dk_ref, dv_ref, dq_ref,
             t, so it has finished its products up to step t - 1, and buffer (t + 1) % 3 last
             held step t - 2."""
             if defer:
-                def previous():
-                    tp = t - 1
-                    dq_product(tp, lax.rem(tp, jnp.int32(2)), lax.rem(tp, jnp.int32(3)))
-
-                pl.when(t > 0)(previous)
+                pl.when(t > 0)(lambda: deferred_product(t - 1))
                 share(t, lax.rem(t, jnp.int32(3)), ds_t)
                 return
             par = lax.rem(t, jnp.int32(2))      # the step's parity: whose turn it is
             buf = jnp.int32(0) if single_ds else par
             share(t, buf, ds_t)
             dq_product(t, par, buf)
+
+        def deferred_product(t):
+            """Step t's dQ product under cfg.fused_defer_dq: its turn parity, its buffer of 3."""
+            dq_product(t, lax.rem(t, jnp.int32(2)), lax.rem(t, jnp.int32(3)))
 
         def dq_product(t, par, buf):
             """Step t's dQ_partial (this warpgroup's share) from buffer `buf` to a dQ slot."""
@@ -375,9 +375,7 @@ def _fused_body(q_ref, k_ref, v_ref, do_ref, st_ref, dk_ref, dv_ref, dq_ref,
                 downward(cta_lo, lo, heads(drained), None)
                 dk, dv = carry
         if defer:       # the last step's deferred dQ product
-            last = total - 1
-            pl.when(total > 0)(lambda: dq_product(last, lax.rem(last, jnp.int32(2)),
-                                                  lax.rem(last, jnp.int32(3))))
+            pl.when(total > 0)(lambda: deferred_product(total - 1))
         if single_ds:   # the last step's release (interpret mode checks every phase is awaited)
             pl.when(total > 0)(lambda: plgpu.barrier_wait(ds_read))
 
