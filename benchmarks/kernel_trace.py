@@ -1,7 +1,7 @@
 """Where a Mosaic kernel's CTA spends its time, from Mosaic GPU's on-device trace (GPU only).
 
     PYTHONPATH=. python3 benchmarks/kernel_trace.py --out DIR [--pass bwd|fwd]
-        [--case 2x8192x16x16x128] [--causal 1,0] [--config "fused_early_release=1"]
+        [--case 2x8192x16x16x128] [--causal 1,0] [--config "compute_registers=224"]
 
 The kernels' named scopes are recorded per warpgroup and CTA, with the SM each CTA ran on, when
 their config's profile folder is set (MosaicBackwardConfig.fused_profile_dir for the fused

@@ -8,7 +8,6 @@ lowering test runs the Python half of the sm_90 compile on any machine, which co
 compiled-only path (wgmma operands in registers, in-place accumulation, shared-memory limit).
 """
 
-import dataclasses
 import importlib
 
 import jax
@@ -65,23 +64,6 @@ def test_matches_reference_and_triton(b, sq, skv, hq, hkv, d, dtype, causal, ali
     grads = mosaic.backward(spec, q, k, v, out, stats, do, dlse, config=config)
     tri = triton_backward.backward(spec, q, k, v, out, stats, do, dlse)
     ref = reference_grads(q, k, v, do, dlse, causal=causal, causal_alignment=alignment)
-    _check(grads, tri, ref, (q, k, v), dtype)
-
-
-@pytest.mark.skipif(not IS_HOPPER, reason="the dK/dV kernel's overlap of P^T with dP^T exists "
-                    "only compiled: the interpreter runs the products one by one")
-@pytest.mark.parametrize("d,dtype,causal", [(256, jnp.bfloat16, True), (64, jnp.float16, False)])
-def test_dkdv_overlap_matches_reference_and_triton(d, dtype, causal):
-    """`dkdv_overlap` (opt-in): dP^T issued behind S^T, P^T formed while it runs."""
-    b, sq, skv, hq, hkv = 1, 200, 200, 2, 1
-    q, k, v, do = random_inputs(jax.random.PRNGKey(93), b, sq, skv, hq, hkv, d, dtype)
-    dlse = jax.random.normal(jax.random.PRNGKey(94), (b, hq, sq), jnp.float32)
-    spec = mosaic_spec(sq, skv, d, dtype, causal=causal)
-    cfg = dataclasses.replace(mosaic.default_backward_config(d), fused=False, dkdv_overlap=True)
-    out, stats = triton_forward.forward(spec, q, k, v)
-    grads = mosaic.backward(spec, q, k, v, out, stats, do, dlse, config=cfg)
-    tri = triton_backward.backward(spec, q, k, v, out, stats, do, dlse)
-    ref = reference_grads(q, k, v, do, dlse, causal=causal)
     _check(grads, tri, ref, (q, k, v), dtype)
 
 
@@ -202,21 +184,14 @@ def test_staged_kernels_carry_their_names():
     # lengths folded in) and a length that is neither a multiple of the tiles nor of 8.
     (128, jnp.bfloat16, True, 1001, dict(window=(200, None), softcap=30.0, has_segments=True)),
     (256, jnp.bfloat16, False, 1001, dict(window=(100, 50), softcap=30.0, has_segments=True)),
-    # The opt-in overlap of P^T with dP^T in the dK/dV kernel (compiled only, so lowering is
-    # where the CPU sees it), with a softcap, causal.
-    (256, jnp.bfloat16, True, 1001, dict(softcap=30.0, dkdv_overlap=True)),
-], ids=["causal-d64", "full-d256", "all-options-d128", "all-options-d256", "dkdv-overlap-d256"])
+], ids=["causal-d64", "full-d256", "all-options-d128", "all-options-d256"])
 def test_lowers_for_sm90(d, dtype, causal, seq, options):
-    options = dict(options)
-    cfg = mosaic.default_backward_config(d)
-    if options.pop("dkdv_overlap", False):
-        cfg = dataclasses.replace(cfg, dkdv_overlap=True)
     args = backward_args(2, seq, seq, 4, 2, d, dtype)
     spec = mosaic_spec(seq, seq, d, dtype, causal=causal, interpret=False, **options)
     if spec.has_segments:
         ids = jnp.zeros((2, seq), jnp.int32)
         args = args + (ids, ids)
-    fn = jax.jit(lambda *a: mosaic.backward(spec, *a, config=cfg))
+    fn = jax.jit(lambda *a: mosaic.backward(spec, *a))
     text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
 

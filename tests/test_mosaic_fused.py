@@ -96,18 +96,13 @@ CASES = [
 @needs_hopper
 @pytest.mark.parametrize("b,sq,skv,hq,hkv,d,options", CASES)
 def test_matches_reference(b, sq, skv, hq, hkv, d, options):
-    # What users run: the fused kernel at head_dim 64 and 128, default tiles.
-    _check_against_reference(b, sq, skv, hq, hkv, d, options,
-                             mosaic.default_backward_config(d))
-
-
-def _check_against_reference(b, sq, skv, hq, hkv, d, options, cfg):
     dtype = jnp.bfloat16
     q, k, v, do = random_inputs(jax.random.PRNGKey(61), b, sq, skv, hq, hkv, d, dtype)
     dlse = jax.random.normal(jax.random.PRNGKey(62), (b, hq, sq), jnp.float32)
     spec = mosaic_spec(sq, skv, d, dtype, causal=options.get("causal", False),
                  alignment=options.get("causal_alignment", "top_left"),
                  window=options.get("window"), softcap=options.get("softcap"))
+    cfg = mosaic.default_backward_config(d)   # what users run: the fused kernel at 64 and 128
     assert mosaic.uses_fused(spec, q, k, cfg)
     out, stats = triton_forward.forward(spec, q, k, v)
     run = jax.jit(lambda *a: mosaic.backward(spec, *a, config=cfg))
@@ -123,42 +118,6 @@ def _check_against_reference(b, sq, skv, hq, hkv, d, options, cfg):
         again = run(q, k, v, out, stats, do, dlse)
         for g, h in zip(grads, again):
             np.testing.assert_array_equal(np.asarray(g), np.asarray(h))
-
-
-# The opt-in variants (MosaicBackwardConfig; NOTES.md run 31 and the plan): (name, config
-# overrides, whether the interpreter runs the variant, the CASES it runs on).
-OPT_INS = [
-    # One dS^T buffer, a barrier per step so that neither warpgroup overwrites its half before
-    # both have read the last step's, and the room spent on a second dQ slot.
-    ("single-ds-buffer", dict(fused_ds_buffers=1, fused_dq_slots=2), True,
-     ("causal-gqa", "turns-d64")),
-    # Each step's dQ product made one step later, from a third dS^T buffer, so the compute
-    # warpgroups may drift a step apart: same products, same add order.
-    ("deferred-dq", dict(fused_defer_dq=True), True, ("causal-gqa", "turns-d64")),
-    # The writer hands a dQ slot back once the TMA has read it and signals the next tile once
-    # the sum has landed. Compiled only: the interpreter's writer adds by itself.
-    ("early-release", dict(fused_early_release=True), False,
-     ("causal-gqa", "full", "turns-d64")),
-    # dP^T issued behind S^T and P^T formed while it runs (1), and dS^T formed while the dV
-    # product runs (2). Compiled only: the interpreter runs the products one by one.
-    ("overlap1", dict(fused_overlap=1), False, ("causal-gqa", "window-softcap", "turns-d64")),
-    ("overlap2", dict(fused_overlap=2), False, ("causal-gqa", "window-softcap", "turns-d64")),
-]
-COMPILED_ONLY = pytest.mark.skipif(
-    not IS_HOPPER, reason="this variant exists only compiled (its sm_90 lowering is tested on "
-    "the CPU, test_lowers_for_sm90)")
-
-
-@needs_hopper
-@pytest.mark.parametrize("b,sq,skv,hq,hkv,d,options,overrides", [
-    pytest.param(*case.values, overrides, id=f"{name}-{case.id}",
-                 marks=() if interpreted else COMPILED_ONLY)
-    for name, overrides, interpreted, ids in OPT_INS for case in CASES if case.id in ids])
-def test_opt_in_matches_reference(b, sq, skv, hq, hkv, d, options, overrides):
-    """Each opt-in variant against the float32 reference, with the bitwise repeat compiled:
-    the same products and the same add order as the default kernel."""
-    cfg = dataclasses.replace(mosaic.default_backward_config(d), **overrides)
-    _check_against_reference(b, sq, skv, hq, hkv, d, options, cfg)
 
 
 # ---- dispatch and lowering --------------------------------------------------------------------
@@ -193,42 +152,24 @@ def test_shared_memory_is_checked():
                                       fused_dq_slots=2)
     assert "fused kernel" in mosaic.unsupported_reason(spec, q, k, v, cfg)
     assert mosaic.unsupported_reason(spec, q, k, v, FUSED) is None
-    # One dS^T buffer leaves room for the second dQ slot at 2 stages, two do not.
+    # A second dQ slot does not fit at head_dim 128 beside the two dS^T buffers.
     two = dataclasses.replace(FUSED, fused_dq_slots=2)
     assert "fused kernel" in mosaic.unsupported_reason(spec, q, k, v, two)
-    assert mosaic.unsupported_reason(
-        spec, q, k, v, dataclasses.replace(two, fused_ds_buffers=1)) is None
-    with pytest.raises(ValueError, match="fused_ds_buffers"):
-        mosaic.MosaicBackwardConfig(fused_ds_buffers=3)
-    with pytest.raises(ValueError, match="fused_defer_dq"):
-        mosaic.MosaicBackwardConfig(fused_defer_dq=True, fused_ds_buffers=1)
-    # Deferred: three dS^T buffers (16 KB more) still fit at head_dim 128 with one dQ slot.
-    assert mosaic.unsupported_reason(
-        spec, q, k, v, dataclasses.replace(FUSED, fused_defer_dq=True)) is None
     with pytest.raises(ValueError, match="fused_dq_slots"):
         mosaic.MosaicBackwardConfig(fused_dq_slots=3)
 
 
-@pytest.mark.parametrize("d,causal,options,overrides", [
-    (128, True, {}, {}), (128, False, dict(window=(100, 50), softcap=30.0), {}),
-    (64, True, {}, {}), (64, False, dict(window=(100, 50), softcap=30.0), {}),
-    # The writer's early slot release exists only compiled (the interpreter's writer adds
-    # by itself), so lowering is where the CPU sees it.
-    (128, True, {}, dict(fused_early_release=True)),
-    # So does the overlap of P^T with the dP^T product (softcap: its tanh rides along).
-    (128, False, dict(window=(100, 50), softcap=30.0), dict(fused_overlap=True)),
-    (128, True, {}, dict(fused_ds_buffers=1, fused_dq_slots=2)),
-    (64, True, {}, dict(fused_defer_dq=True)),
-    (128, True, {}, dict(fused_overlap=1)), (64, False, dict(softcap=30.0), dict(fused_overlap=2))],
-    ids=["causal", "window-softcap", "causal-d64", "window-softcap-d64", "early-release",
-         "overlap-window-softcap", "one-ds-buffer-two-slots", "deferred-dq-d64", "overlap-causal",
-         "overlap2-softcap-d64"])
-def test_lowers_for_sm90(d, causal, options, overrides):
+@pytest.mark.parametrize("d,causal,options", [
+    (128, True, {}), (128, False, dict(window=(100, 50), softcap=30.0)),
+    (64, True, {}), (64, False, dict(window=(100, 50), softcap=30.0))],
+    ids=["causal", "window-softcap", "causal-d64", "window-softcap-d64"])
+def test_lowers_for_sm90(d, causal, options):
+    """The compiled kernel, semaphores and the writer's TMA reduce-add and early slot release
+    included (the interpreter runs none of them), lowers for sm_90."""
     seq = 1001
     q, k, v, _, stats, do, _ = backward_args(2, seq, seq, 4, 2, d, jnp.bfloat16)
     spec = mosaic_spec(seq, seq, d, jnp.bfloat16, causal=causal, interpret=False, **options)
-    cfg = dataclasses.replace(FUSED, **overrides)
-    fn = jax.jit(lambda *a: mosaic.backward(spec, *a, config=cfg))
+    fn = jax.jit(lambda *a: mosaic.backward(spec, *a, config=FUSED))
     text = fn.trace(q, k, v, q, stats, do, stats.m).lower(
         lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text

@@ -112,24 +112,6 @@ class MosaicBackwardConfig:
         elsewhere the two kernels run, with the tiles above.
     fused_stages: shared-memory slots of the fused kernel's Q / dO stream (>= 2).
     fused_dq_slots: float32 dQ tiles in flight to the writer warpgroup in the fused kernel.
-    fused_early_release: in the fused kernel, hand a dQ slot back to the compute warpgroups
-        once the TMA has read it, not once the sum has landed in global memory (the next tile
-        still waits for that). NOTES.md run 31: the compute warpgroups wait ~4.5% of a 8k
-        step loop for the slot at head_dim 128 (one slot); opt-in until timed compiled.
-    fused_ds_buffers: dS^T buffers of the fused kernel, 2 (by step parity, the default) or 1
-        (a barrier more a step, 16 KB less: room for a second dQ slot at head_dim 128, where
-        the compute warpgroups wait ~4.5% of the step loop for the one slot, NOTES.md run 31);
-        opt-in until timed compiled.
-    fused_defer_dq: in the fused kernel, make each step's dQ product one step later, before
-        sharing the next dS^T (three dS^T buffers, 16 KB more), so that the compute warpgroups
-        wait for each other's previous step rather than meet at every step (NOTES.md run 31:
-        that meeting costs ~3.7% of the step loop, and keeps their exp2 phases together);
-        opt-in until timed compiled.
-    fused_overlap / dkdv_overlap: in the fused kernel / the two-kernel path's dK/dV kernel
-        (head_dim 256, float16, segment ids), 1: issue dP^T = V dO^T behind S^T = K Q^T and
-        compute P^T while it runs (tiles.transposed_weights); fused_overlap 2: also form dS^T
-        while the dV product runs (tiles.weights_then_dv); 0: neither. Opt-in until timed
-        compiled.
     fused_profile_dir: a folder for Mosaic GPU traces of the fused kernel (one per call; see
         common.profile_params), "" (the default) for none. A diagnostic: the trace
         costs shared memory and a few cycles per scope.
@@ -145,11 +127,6 @@ class MosaicBackwardConfig:
     fused: bool = False
     fused_stages: int = 2
     fused_dq_slots: int = 1
-    fused_early_release: bool = False
-    fused_ds_buffers: int = 2
-    fused_defer_dq: bool = False
-    fused_overlap: int = 0
-    dkdv_overlap: int = 0
     fused_profile_dir: str = ""
 
     def __post_init__(self):
@@ -165,16 +142,6 @@ class MosaicBackwardConfig:
         if self.fused_dq_slots not in (1, 2):
             raise ValueError("MosaicBackwardConfig.fused_dq_slots must be 1 or 2, "
                              f"got {self.fused_dq_slots}")
-        if self.fused_ds_buffers not in (1, 2):
-            raise ValueError("MosaicBackwardConfig.fused_ds_buffers must be 1 or 2, "
-                             f"got {self.fused_ds_buffers}")
-        if self.fused_overlap not in (0, 1, 2) or self.dkdv_overlap not in (0, 1):
-            raise ValueError("MosaicBackwardConfig.fused_overlap must be 0, 1 or 2 and "
-                             f"dkdv_overlap 0 or 1, got {self.fused_overlap}, "
-                             f"{self.dkdv_overlap}")
-        if self.fused_defer_dq and self.fused_ds_buffers != 2:
-            raise ValueError("MosaicBackwardConfig.fused_defer_dq brings its own three dS^T "
-                             "buffers: leave fused_ds_buffers at 2")
         if self.dq_compute_wgs not in (1, 2):
             raise ValueError("MosaicBackwardConfig.dq_compute_wgs must be 1 or 2, "
                              f"got {self.dq_compute_wgs}")
@@ -388,7 +355,7 @@ def _dkdv_body(q_ref, k_ref, v_ref, do_ref, st_ref, q_ids_ref, kv_ids_ref, cta_s
             p_t, ds_t = transposed_weights(
                 spec, c, my_k, my_v, q_blk, do_blk, st, shape, wait_q=wait_q,
                 wait_do=lambda: plgpu.barrier_wait(do_loaded.at[slot]),
-                visible_fn=visible_fn if masked else None, overlap=cfg.dkdv_overlap)
+                visible_fn=visible_fn if masked else None)
             dv = product(dv, p_t.astype(dtype), do_blk.at[col_slice],
                           interpret=spec.interpret, stage_ref=stage)
             ds_in, rescale, fk = _cast_rows(ds_t, fk, dtype)

@@ -48,13 +48,12 @@ Speed (H200, batch 2, seq 8192, kernel alone, non-causal / causal TFLOP/s; NOTES
 kernels 413-428 / 421-429); 32 heads at head_dim 64 389 / 352 (0.85 / 0.86x; two kernels 329 /
 333); GQA 32:8 at head_dim 128 causal 460 (0.90x; two kernels 429).
 
-Opt-ins built after run 31's trace (NOTES.md: ~8% of a step loop is stalls), off by default
-until timed compiled: `fused_early_release` (the writer frees a dQ slot once the TMA has read
-it), `fused_ds_buffers=1` (one dS^T buffer, a barrier per step, room for a second dQ slot at
-head_dim 128), `fused_overlap` (1: P^T formed while dP^T runs, tiles.transposed_weights; 2:
-also dS^T while the dV product runs, tiles.weights_then_dv),
-`fused_defer_dq` (each step's dQ product made one step later, so that the compute warpgroups
-need not meet at every step; three dS^T buffers).
+The writer hands a dQ slot back as soon as the TMA has read it, and signals the next tile only
+once the sum has landed: +0.2-3.0% non-causal, equal causal, against freeing the slot after the
+landing (NOTES.md run 33). Also timed there and dropped, each a loss somewhere: one dS^T buffer
+with a second dQ slot (-6% / -19% non-causal / causal at 8k), the dQ product deferred a step so
+that the compute warpgroups need not meet every step (0 / -0.7%), and P^T formed while dP^T
+runs (+1.6% / -16%).
 
 The partials are scaled before they are summed; the float32 sum is cast in XLA after the
 kernel, and q blocks no tile sees (never written) are zeroed there.
@@ -79,8 +78,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_flash.mosaic.common import (SMEM_LIMIT, clamp_range, grid_position,
                                        profile_params, stream_through_slots)
-from pallas_flash.mosaic.tiles import (WG_ROWS, positions, product, transposed_weights,
-                                      weights_then_dv, zeros_acc)
+from pallas_flash.mosaic.tiles import WG_ROWS, positions, product, transposed_weights, zeros_acc
 from pallas_flash.spec import AttentionSpec
 from pallas_flash.stats import LOG2E, logit_scale
 
@@ -93,6 +91,9 @@ HEAD_DIMS = (64, 128)
 # The copy and writer warpgroups get what the two compute warpgroups leave of the 64K
 # registers: 512 threads x 128 = 2 x 128 x compute + 2 x 128 x side.
 REGISTER_POOL = 4 * 128
+# dS^T buffers, by step parity: a warpgroup may share step s + 1's half while the other still
+# reads step s's.
+DS_BUFFERS = 2
 
 
 def alternates(head_dim: int) -> bool:
@@ -110,12 +111,11 @@ def alternates(head_dim: int) -> bool:
     return head_dim < 128
 
 
-def smem_bytes(head_dim: int, stages: int, dq_slots: int, itemsize: int = 2,
-               ds_buffers: int = 2) -> int:
+def smem_bytes(head_dim: int, stages: int, dq_slots: int, itemsize: int = 2) -> int:
     """Shared memory of the fused kernel without Mosaic's own reserve."""
     kv = 2 * CTA_KEYS * head_dim * itemsize
     stream = stages * (2 * BLOCK_Q * head_dim * itemsize + 3 * BLOCK_Q * 4)
-    ds = ds_buffers * CTA_KEYS * BLOCK_Q * itemsize
+    ds = DS_BUFFERS * CTA_KEYS * BLOCK_Q * itemsize
     dq = dq_slots * BLOCK_Q * head_dim * 4
     return kv + stream + ds + dq
 
@@ -133,12 +133,6 @@ def unsupported_reason(spec: AttentionSpec, q, k, cfg) -> str | None:
     return None
 
 
-def ds_buffers(cfg) -> int:
-    """dS^T buffers: by step parity (2), one (cfg.fused_ds_buffers=1), or three when the dQ
-    product lags a step (cfg.fused_defer_dq; `exchange` says why three)."""
-    return 3 if cfg.fused_defer_dq else cfg.fused_ds_buffers
-
-
 def side_registers(compute_registers: int) -> int:
     """Registers per thread of the copy and writer warpgroups, a multiple of 8."""
     return (REGISTER_POOL - 2 * compute_registers) // 2 // 8 * 8
@@ -154,14 +148,9 @@ def _first_tiles(mask, n_qblocks: int):
 def _fused_body(q_ref, k_ref, v_ref, do_ref, st_ref, dk_ref, dv_ref, dq_ref,
                 k_smem, v_smem, q_smem, do_smem, st_smem, ds_smem, dq_smem,
                 k_loaded, v_loaded, q_loaded, do_loaded, st_loaded, slot_free,
-                ds_ready, dq_ready, dq_free, both_done, *extra,
+                ds_ready, dq_ready, dq_free, both_done, *interp_smem,
                 spec: AttentionSpec, cfg, group: int, head_dim: int, q_heads: int,
                 n_qblocks: int):
-    # With one dS^T buffer (cfg.fused_ds_buffers), a barrier says both warpgroups have read
-    # the last step's dS^T before either overwrites its half.
-    single_ds = cfg.fused_ds_buffers == 1
-    ds_read, interp_smem = (extra[0], extra[1:]) if single_ds else (None, extra)
-    defer = cfg.fused_defer_dq
     mask = spec.mask
     dtype = q_ref.dtype
     stages, slots = cfg.fused_stages, cfg.fused_dq_slots
@@ -222,47 +211,24 @@ def _fused_body(q_ref, k_ref, v_ref, do_ref, st_ref, dk_ref, dv_ref, dq_ref,
             plgpu.barrier_wait(k_loaded.at[1])
             plgpu.barrier_wait(v_loaded.at[w])
 
-        def share(t, buf, ds_t):
-            """Put this warpgroup's half of step t's dS^T in buffer `buf`."""
-            if single_ds:
-                with jax.named_scope("ds_read_wait"):
-                    pl.when(t > 0)(lambda: plgpu.barrier_wait(ds_read))
-            ds_smem.at[buf, w][...] = ds_t
-            plgpu.commit_smem()
-            plgpu.barrier_arrive(ds_ready.at[buf])
-
         def exchange(t, ds_t):
             """Share dS^T, then this warpgroup's share of dQ_partial = dS K over the CTA's 128
-            keys: its columns (column split) or, on its turn, all of it (`alternates`).
-
-            With cfg.fused_defer_dq the product is the previous step's, made before this
-            step's dS^T is shared (three buffers): a warpgroup then waits only for the other's
-            previous step, so the two may drift up to a step apart instead of meeting at every
-            step. Three suffice: when a warpgroup shares step t + 1, the other has shared step
-            t, so it has finished its products up to step t - 1, and buffer (t + 1) % 3 last
-            held step t - 2."""
-            if defer:
-                pl.when(t > 0)(lambda: deferred_product(t - 1))
-                share(t, lax.rem(t, jnp.int32(3)), ds_t)
-                return
+            keys: its columns (column split) or, on its turn, all of it (`alternates`)."""
             par = lax.rem(t, jnp.int32(2))      # the step's parity: whose turn it is
-            buf = jnp.int32(0) if single_ds else par
-            share(t, buf, ds_t)
-            dq_product(t, par, buf)
+            ds_smem.at[par, w][...] = ds_t
+            plgpu.commit_smem()
+            plgpu.barrier_arrive(ds_ready.at[par])
+            dq_product(t, par)
 
-        def deferred_product(t):
-            """Step t's dQ product under cfg.fused_defer_dq: its turn parity, its buffer of 3."""
-            dq_product(t, lax.rem(t, jnp.int32(2)), lax.rem(t, jnp.int32(3)))
-
-        def dq_product(t, par, buf):
-            """Step t's dQ_partial (this warpgroup's share) from buffer `buf` to a dQ slot."""
+        def dq_product(t, par):
+            """Step t's dQ_partial (this warpgroup's share) from dS^T buffer `par` to a dQ slot."""
             with jax.named_scope("ds_wait"):
-                plgpu.barrier_wait(ds_ready.at[buf])
+                plgpu.barrier_wait(ds_ready.at[par])
 
             def run(acc_ref):
                 for rt in range(2):
                     k_tile = k_smem.at[rt] if by_turns else k_smem.at[rt].at[:, pl.ds(col0, cols)]
-                    plgpu.wgmma(acc_ref, ds_smem.at[buf, rt].T, k_tile)
+                    plgpu.wgmma(acc_ref, ds_smem.at[par, rt].T, k_tile)
                 return acc_ref[...]
 
             def slot_released():
@@ -292,8 +258,6 @@ def _fused_body(q_ref, k_ref, v_ref, do_ref, st_ref, dk_ref, dv_ref, dq_ref,
                 dslot = lax.rem(t, jnp.int32(slots))
             else:
                 dslot = product_to_slot()
-            if single_ds:
-                plgpu.barrier_arrive(ds_read)   # this warpgroup is done with dS^T
             plgpu.barrier_arrive(dq_ready.at[dslot])
 
         def step(h, i, carry, masked: bool):
@@ -309,17 +273,12 @@ def _fused_body(q_ref, k_ref, v_ref, do_ref, st_ref, dk_ref, dv_ref, dq_ref,
                 k_pos, q_pos = positions(shape, key0, i * BLOCK_Q)
                 return mask.visible(q_pos, k_pos, kv_len)
 
-            weights_args = (spec, c, my_k, my_v, q_blk, do_blk, st, shape)
-            weights_kw = dict(wait_q=wait_q,
-                              wait_do=lambda: plgpu.barrier_wait(do_loaded.at[slot]),
-                              visible_fn=visible_fn if masked else None)
-            if cfg.fused_overlap >= 2 and not spec.interpret:
-                dv, ds_t = weights_then_dv(*weights_args, dv, dtype, **weights_kw)
-            else:
-                p_t, ds_t = transposed_weights(*weights_args, overlap=cfg.fused_overlap,
-                                               **weights_kw)
-                dv = product(dv, p_t.astype(dtype), do_blk, interpret=spec.interpret,
-                             stage_ref=stage)
+            p_t, ds_t = transposed_weights(
+                spec, c, my_k, my_v, q_blk, do_blk, st, shape, wait_q=wait_q,
+                wait_do=lambda: plgpu.barrier_wait(do_loaded.at[slot]),
+                visible_fn=visible_fn if masked else None)
+            dv = product(dv, p_t.astype(dtype), do_blk, interpret=spec.interpret,
+                         stage_ref=stage)
             ds_t = ds_t.astype(dtype)
             dk = product(dk, ds_t, q_blk, interpret=spec.interpret, stage_ref=stage)
             plgpu.barrier_arrive(slot_free.at[slot])  # Q, dO, stats of this step are read
@@ -374,11 +333,6 @@ def _fused_body(q_ref, k_ref, v_ref, do_ref, st_ref, dk_ref, dv_ref, dq_ref,
                                  carry)
                 downward(cta_lo, lo, heads(drained), None)
                 dk, dv = carry
-        if defer:       # the last step's deferred dQ product
-            pl.when(total > 0)(lambda: deferred_product(total - 1))
-        if single_ds:   # the last step's release (interpret mode checks every phase is awaited)
-            pl.when(total > 0)(lambda: plgpu.barrier_wait(ds_read))
-
         # Observe the writer's last releases (interpret mode checks every phase is awaited).
         with jax.named_scope("writer_tail"):
             lax.fori_loop(
@@ -455,14 +409,13 @@ def _fused_body(q_ref, k_ref, v_ref, do_ref, st_ref, dk_ref, dv_ref, dq_ref,
                 pl.when(rank == 0)(lambda: plgpu.copy_smem_to_gmem(src, dq_ref.at[rows]))
                 pl.when(rank > 0)(lambda: plgpu.copy_smem_to_gmem(
                     src, dq_ref.at[rows], reduction_op="add"))
-                if cfg.fused_early_release:
-                    # The slot may take the next partial once the copy has read it; the next
-                    # tile may add only once the sum has landed.
-                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                    plgpu.barrier_arrive(dq_free.at[dslot])
+                # The slot may take the next partial once the copy has read it; the next tile
+                # may add only once the sum has landed.
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                plgpu.barrier_arrive(dq_free.at[dslot])
                 plgpu.wait_smem_to_gmem(0)  # the sum has landed
                 plgpu.semaphore_signal(flag, 1, memory_scope="gpu")  # the next tile may add
-            if spec.interpret or not cfg.fused_early_release:
+            if spec.interpret:
                 plgpu.barrier_arrive(dq_free.at[dslot])
 
         lax.fori_loop(jnp.int32(0), total, write, None)
@@ -517,7 +470,7 @@ def _fused(q, k, v, do, rows, *, spec: AttentionSpec, cfg):
         plgpu.SMEM((stages, BLOCK_Q, head_dim), dtype),      # Q stream
         plgpu.SMEM((stages, BLOCK_Q, head_dim), dtype),      # dO stream
         plgpu.SMEM((stages, 3, BLOCK_Q), jnp.float32),       # m, r, D stream
-        plgpu.SMEM((ds_buffers(cfg), 2, WG_ROWS, BLOCK_Q), dtype),  # dS^T [buffer, key tile]
+        plgpu.SMEM((DS_BUFFERS, 2, WG_ROWS, BLOCK_Q), dtype),  # dS^T [parity, key tile]
         plgpu.SMEM((slots, BLOCK_Q, head_dim), jnp.float32), # dQ tiles
         plgpu.Barrier(num_barriers=2),
         plgpu.Barrier(num_barriers=2),
@@ -525,13 +478,11 @@ def _fused(q, k, v, do, rows, *, spec: AttentionSpec, cfg):
         plgpu.Barrier(num_barriers=stages),
         plgpu.Barrier(num_barriers=stages),
         plgpu.Barrier(num_arrivals=2, num_barriers=stages),
-        plgpu.Barrier(num_arrivals=2, num_barriers=ds_buffers(cfg)),  # dS^T halves written
+        plgpu.Barrier(num_arrivals=2, num_barriers=DS_BUFFERS),  # dS^T halves written
         plgpu.Barrier(num_arrivals=2, num_barriers=slots),   # dQ tile written
         plgpu.Barrier(num_barriers=slots),                   # dQ tile sent
         plgpu.Barrier(num_arrivals=2),                       # K no longer read
     ]
-    if cfg.fused_ds_buffers == 1:
-        scratch.append(plgpu.Barrier(num_arrivals=2))        # dS^T read by both
     if spec.interpret:
         scratch += [plgpu.SMEM((2, WG_ROWS, BLOCK_Q), dtype),
                     plgpu.SMEM((BLOCK_Q, head_dim), jnp.float32),
@@ -555,10 +506,8 @@ def _fused(q, k, v, do, rows, *, spec: AttentionSpec, cfg):
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(
             approx_math=True,
-            # Scopes entered once a step (slot_wait, ds_wait, with one dS^T buffer
-            # ds_read_wait), and a few more.
-            **profile_params(cfg.fused_profile_dir,
-                             (3 if cfg.fused_ds_buffers == 1 else 2) * n_qblocks * group + 8)),
+            # Scopes entered once a step (slot_wait, ds_wait), and a few more.
+            **profile_params(cfg.fused_profile_dir, 2 * n_qblocks * group + 8)),
         interpret=plgpu.InterpretGPUParams() if spec.interpret else None,
         kernel_name=FUSED_KERNEL_NAME,
     )(q, k, v, do, rows)
@@ -573,8 +522,7 @@ def _fused(q, k, v, do, rows, *, spec: AttentionSpec, cfg):
 
 
 def check_smem(cfg, head_dim: int, reserved: int) -> str | None:
-    need = smem_bytes(head_dim, cfg.fused_stages, cfg.fused_dq_slots,
-                      ds_buffers=ds_buffers(cfg)) + reserved
+    need = smem_bytes(head_dim, cfg.fused_stages, cfg.fused_dq_slots) + reserved
     if need > SMEM_LIMIT:
         return (f"mosaic backward: config {cfg} needs {need} bytes of shared memory in the "
                 f"fused kernel at head_dim {head_dim} (limit {SMEM_LIMIT})")

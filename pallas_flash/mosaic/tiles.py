@@ -71,7 +71,7 @@ def idiv(x, d: int):
 
 
 def transposed_weights(spec, c, k_tile, v_tile, q_blk, do_blk, st, shape, *, wait_q, wait_do,
-                       visible_fn=None, overlap: int = 0):
+                       visible_fn=None):
     """(P^T, dS^T), float32, for one step of a dK/dV-style loop in the transposed orientation
     (rows: the warpgroup's keys; columns: the streamed queries). The backward kernels' shared
     recomputation:  S^T = K Q^T,  P^T = 2^((S^T - m) c - r),  dP^T = V dO^T,
@@ -82,82 +82,26 @@ def transposed_weights(spec, c, k_tile, v_tile, q_blk, do_blk, st, shape, *, wai
     whole, else a function giving the boolean visibility (or None: no mask after all); P^T and
     dS^T are zeroed outside it (dS^T even where dP^T is NaN).
 
-    overlap (compiled only): issue dP^T = V dO^T right behind S^T = K Q^T and compute P^T while
-    it runs on the tensor cores, instead of after it (NOTES.md run 31: a step is ~90% math, and
-    the two compute warpgroups reach their exp2 together, leaving the tensor cores idle).
+    The two products run one after the other, P^T formed between them. Issuing dP^T right
+    behind S^T and forming P^T while it runs (the forward's overlap) was timed on the H200 in
+    the fused kernel and in the two-kernel dK/dV kernel and lost: causal head_dim 128 -14 to
+    -16%, head_dim 256 -4% (NOTES.md run 33).
     """
-    p_t, t_t, dp_t, visible = _weights_and_dp(
-        spec, c, k_tile, v_tile, q_blk, do_blk, st, shape, wait_q=wait_q, wait_do=wait_do,
-        visible_fn=visible_fn, overlap=overlap)
-    return p_t, _score_grads(p_t, dp_t, t_t, st, shape, visible)
-
-
-def weights_then_dv(spec, c, k_tile, v_tile, q_blk, do_blk, st, shape, dv, dtype, *, wait_q,
-                    wait_do, visible_fn=None):
-    """(dV + P^T dO, dS^T) for one step, compiled only: `transposed_weights` with its overlap,
-    then the dV product issued and dS^T formed while it runs (MosaicBackwardConfig
-    fused_overlap=2). dS^T leaves through the state of the dV product, so that the wait for
-    the product comes after it (LLVM may otherwise sink the elementwise work past the wait)."""
-    p_t, t_t, dp_t, visible = _weights_and_dp(
-        spec, c, k_tile, v_tile, q_blk, do_blk, st, shape, wait_q=wait_q, wait_do=wait_do,
-        visible_fn=visible_fn, overlap=1)
-    p_in = p_t.astype(dtype)     # the dV product's operand, defined before it is issued
-
-    def body(refs):
-        dv_ref, ds_ref = refs
-        plgpu.wgmma(dv_ref, p_in, do_blk)
-        ds_ref[...] = lax.optimization_barrier(
-            _score_grads(p_t, dp_t, t_t, st, shape, visible))
-
-    ds0 = plgpu.layout_cast(jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA)
-    return pl.run_state(body)((plgpu.ACC.init(dv), ds0))
-
-
-def _weights_and_dp(spec, c, k_tile, v_tile, q_blk, do_blk, st, shape, *, wait_q, wait_do,
-                    visible_fn, overlap):
-    """(P^T masked, t for the softcap or None, dP^T, visibility or None) of one step."""
-    def probabilities(s_t):
-        u_t, t_t = logit_units(spec, s_t)
-        m = plgpu.load(st.at[0], layout=plgpu.Layout.WGMMA.reduce(0))
-        r = plgpu.load(st.at[1], layout=plgpu.Layout.WGMMA.reduce(0))
-        return jnp.exp2((u_t - bcast_cols(m, shape)) * c - bcast_cols(r, shape)), t_t
-
-    if overlap and not spec.interpret:
-        wait_q()
-        wait_do()
-
-        def both(dp_ref):
-            def scores(s_ref):
-                plgpu.wgmma(s_ref, k_tile, q_blk.T)
-                plgpu.wgmma(dp_ref, v_tile, do_blk.T)
-                return plgpu.wgmma_accumulator_load(s_ref, wait_n=1)  # S^T only
-
-            p, t = probabilities(pl.run_scoped(scores, plgpu.ACC(shape, jnp.float32)))
-            # Keep the exp2 before the wait for dP^T (LLVM may otherwise sink it past).
-            p, t = lax.optimization_barrier((p, t))
-            return p, t, dp_ref[...]
-
-        p_t, t_t, dp_t = pl.run_scoped(both, plgpu.ACC(shape, jnp.float32))
-        visible = None if visible_fn is None else visible_fn()
-        if visible is not None:
-            p_t = jnp.where(visible, p_t, 0.0)
-    else:
-        wait_q()
-        p_t, t_t = probabilities(matmul(k_tile, q_blk.T, shape))
-        visible = None if visible_fn is None else visible_fn()
-        if visible is not None:
-            p_t = jnp.where(visible, p_t, 0.0)
-        wait_do()
-        dp_t = matmul(v_tile, do_blk.T, shape)
-    return p_t, t_t, dp_t, visible
-
-
-def _score_grads(p_t, dp_t, t_t, st, shape, visible):
-    """dS^T = P^T (dP^T - D), times 1 - t^2 with a softcap, zeroed where not visible."""
+    wait_q()
+    s_t = matmul(k_tile, q_blk.T, shape)
+    u_t, t_t = logit_units(spec, s_t)
+    m = plgpu.load(st.at[0], layout=plgpu.Layout.WGMMA.reduce(0))
+    r = plgpu.load(st.at[1], layout=plgpu.Layout.WGMMA.reduce(0))
+    p_t = jnp.exp2((u_t - bcast_cols(m, shape)) * c - bcast_cols(r, shape))
+    visible = None if visible_fn is None else visible_fn()
+    if visible is not None:
+        p_t = jnp.where(visible, p_t, 0.0)
+    wait_do()
+    dp_t = matmul(v_tile, do_blk.T, shape)
     delta = plgpu.load(st.at[2], layout=plgpu.Layout.WGMMA.reduce(0))
     ds_t = p_t * (dp_t - bcast_cols(delta, shape))
     if t_t is not None:
         ds_t = ds_t * (1.0 - t_t * t_t)  # softcap: d(c tanh(x / c)) = 1 - tanh^2
     if visible is not None:
         ds_t = jnp.where(visible, ds_t, 0.0)
-    return ds_t
+    return p_t, ds_t
