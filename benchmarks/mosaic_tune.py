@@ -48,18 +48,16 @@ HEADS = {64: 32, 128: 16, 256: 8}
 
 
 def forward_candidates(head_dim: int, *, stages=None, pingpong=(True, False),
-                       overlap=(False, True), registers=((232, 40),), v_stages=(0,)
+                       overlap=(False, True), registers=((232, 40),)
                        ) -> list[mf.MosaicForwardConfig]:
     kvs = {64: (128, 256), 128: (64, 128, 192), 256: (64, 128)}[head_dim]
     stage_counts = stages or ((2, 3) if head_dim == 64 else (2, 3, 4))
     out = []
-    for block_kv, n_stages, n_v, pp, ov, (compute, copy) in itertools.product(
-            kvs, stage_counts, v_stages, pingpong, overlap, registers):
-        if n_v == n_stages:  # the same kernel as v_stages=0
-            continue
+    for block_kv, n_stages, pp, ov, (compute, copy) in itertools.product(
+            kvs, stage_counts, pingpong, overlap, registers):
         cfg = mf.MosaicForwardConfig(block_q=64, block_kv=block_kv, stages=n_stages,
                                      pingpong=pp, overlap=ov, compute_registers=compute,
-                                     copy_registers=copy, v_stages=n_v)
+                                     copy_registers=copy)
         if cfg.smem_bytes(head_dim) <= SMEM_LIMIT:
             out.append(cfg)
     return out
@@ -103,9 +101,6 @@ def main():
     p.add_argument("--heads", type=int, default=None, help="q heads (default: the head_dim's)")
     p.add_argument("--group", type=int, default=1, help="q heads per kv head (GQA)")
     p.add_argument("--fwd-stages", default=None, help="forward stage counts, e.g. 2,3")
-    p.add_argument("--fwd-v-stages", default="0",
-                   help="forward V stage counts (MosaicForwardConfig.v_stages; 0 = as many as "
-                        "K), e.g. 0,3")
     p.add_argument("--fwd-pingpong", default="1,0", help="forward ping-pong, comma list of 0/1")
     p.add_argument("--fwd-overlap", default="0,1", help="forward overlap, comma list of 0/1")
     p.add_argument("--fwd-registers", default="232/40",
@@ -124,7 +119,6 @@ def main():
     fwd_space = dict(
         stages=tuple(int(x) for x in args.fwd_stages.split(",")) if args.fwd_stages else None,
         pingpong=flags(args.fwd_pingpong), overlap=flags(args.fwd_overlap),
-        v_stages=tuple(int(x) for x in args.fwd_v_stages.split(",")),
         registers=tuple(tuple(int(x) for x in r.split("/")) for r in args.fwd_registers.split(",")))
     path = os.path.join(args.out, f"mosaic_tune_{'_'.join(map(str, dims))}.json")
     dev = jax.devices()[0]

@@ -17,10 +17,8 @@ import pytest
 from jax import lax
 
 import pallas_flash as pf
-from helpers import TOLERANCE, assert_close
 from pallas_flash import stats
 from pallas_flash.masking import fold_lengths, make_mask_spec
-from pallas_flash.mosaic.common import SMEM_LIMIT
 from pallas_flash.spec import AttentionSpec
 from pallas_flash.triton import forward as triton_forward
 
@@ -233,64 +231,11 @@ def test_features_lower_for_sm90(sq, skv, opts):
     assert "mosaic_gpu" in text
 
 
-# config.v_stages: V gets more shared-memory slots than K (3 against 2), each with its own slot
-# modulus. 200 query rows (a partial second tile) and 328 keys: 6 key blocks of 64, the last
-# one 8 rows, so both slot rings wrap at least once before the last releases (GPU interpret mode
-# flags a missed barrier phase only in a thread that waited on that barrier before).
-# Bottom-right causal: the first tile stops at block 3, the second tile's first warpgroup
-# drains the partial block.
-V_STAGES_CASES = [
-    pytest.param(jnp.bfloat16, dict(causal=True, alignment="bottom_right"),
-                 C(block_q=64, block_kv=64, stages=2, v_stages=3, overlap=True),
-                 id="overlap-causal-bf16"),
-    pytest.param(jnp.float16, dict(causal=False),
-                 C(block_q=64, block_kv=64, stages=2, v_stages=3, overlap=False),
-                 id="no-overlap-full-f16"),
-]
-
-
-@pytest.mark.skipif(ON_GPU and not IS_HOPPER, reason="Mosaic GPU kernel needs sm_90")
-@pytest.mark.parametrize("dtype,opts,config", V_STAGES_CASES)
-def test_value_stages_match_reference(dtype, opts, config):
-    q, k, v = _inputs(1, 200, 328, 2, 1, 64, dtype, seed=7)
-    spec = _spec(q, k, **opts)
-    out, st = mosaic.forward(spec, q, k, v, config=config)
-    ref, ref_lse = pf.reference_attention(
-        *(x.astype(jnp.float32) for x in (q, k, v)), causal=opts["causal"],
-        causal_alignment=opts.get("alignment", "top_left"), return_lse=True)
-    assert_close("O", out.astype(jnp.float32), ref, TOLERANCE[jnp.dtype(dtype)])
-    assert_close("lse", stats.to_lse(spec, st), ref_lse, 1e-4)
-
-
-def test_value_stages_lower_for_sm90():
-    # The case v_stages is for: head_dim 128, block_kv 128, K at 2 stages and V at 3, which
-    # fits shared memory where 3 stages of both do not.
-    cfg = dataclasses.replace(mosaic.default_forward_config(128), v_stages=3)
-    assert (cfg.block_kv, cfg.stages, cfg.value_stages()) == (128, 2, 3)
-    assert cfg.smem_bytes(128) <= SMEM_LIMIT < dataclasses.replace(cfg, stages=3).smem_bytes(128)
-    q, k, v = _inputs(2, 1024, 1024, 4, 2, 128, jnp.bfloat16)
-    spec = _spec(q, k, causal=True, interpret=False)
-    assert mosaic.unsupported_reason(spec, q, k, v, cfg) is None
-    fn = jax.jit(lambda q, k, v: mosaic.forward(spec, q, k, v, config=cfg))
-    text = fn.trace(q, k, v).lower(lowering_platforms=("cuda",)).as_text()
-    assert "mosaic_gpu" in text
-
-
 @pytest.mark.parametrize("fields,match", [
     (dict(block_q=128), "block_q"),
     (dict(block_kv=96), "block_kv"),
     (dict(stages=1), "stages"),
-    (dict(v_stages=1), "v_stages"),
-    (dict(v_stages=-2), "v_stages"),
 ])
 def test_config_validation(fields, match):
     with pytest.raises(ValueError, match=rf"MosaicForwardConfig\.{match} must be"):
         C(**fields)
-
-
-def test_value_stages_default_to_stages():
-    assert C(stages=3).value_stages() == 3
-    assert C(stages=3, v_stages=2).value_stages() == 2
-    one_block = 128 * 128 * 2  # block_kv 128 at head_dim 128, 2-byte elements
-    assert C(v_stages=3).smem_bytes(128) == C().smem_bytes(128) + one_block
-    assert C(v_stages=2).smem_bytes(128) == C().smem_bytes(128)

@@ -12,11 +12,9 @@ Structure (one CTA = three warpgroups):
 * CTA (tile, head, batch) owns 2 * block_q query rows of one (batch, head). Warpgroups 0 and 1
   each own block_q of them (a 64-row wgmma M tile per warpgroup); warpgroup 2 only issues TMA
   copies. GQA reads kv head = head // group straight from the [batch, seq, heads, dim] arrays.
-* Warpgroup 2 streams K and V blocks of the kv head through shared-memory slots: `stages` for K
-  and `stages` for V, or config.v_stages for V (opt-in; each kind of slot has its own modulus,
-  block j of the CTA's range going to K slot j % stages and V slot j % v_stages). Each slot has
-  a "loaded" barrier (completed by the TMA transaction count) and a "free" barrier that needs
-  one arrival from each compute warpgroup before the slot is refilled.
+* Warpgroup 2 streams K and V blocks of the kv head through `stages` shared-memory slots. Each
+  slot has a "loaded" barrier (completed by the TMA transaction count) and a "free" barrier that
+  needs one arrival from each compute warpgroup before the slot is refilled.
 * Each compute warpgroup runs the online softmax of FlashAttention-2 in base 2 and logit units:
   S = Q K^T by wgmma (Q and K from shared memory), then
       m' = max(m, rowmax S),  m_safe = (m' if finite else 0),  a = 2^((m - m_safe) c),
@@ -110,13 +108,6 @@ class MosaicForwardConfig:
     block_q: query rows per compute warpgroup (a CTA holds COMPUTE_WGS * block_q rows).
     block_kv: key rows per step.
     stages: K/V shared-memory slots in flight (>= 2).
-    v_stages: V slots, if not `stages` (0, the default: as many as K; else >= 2). Opt-in and
-      untimed, no default uses it. It exists for the lagged P V (overlap): V_j is consumed one
-      step after K_j, so its slot is freed a step later and the copy warpgroup's V load waits
-      behind it. Run 33's forward trace (benchmarks/NOTES.md; H200, head_dim 128, block_kv 128,
-      2 stages, overlap) had the compute warpgroups waiting ~0.1 kcycles for V and ~0.06 for K
-      per ~2.8-kcycle step; 3 stages of both exceed shared memory there (233592 > 232448
-      bytes), K at 2 and V at 3 fit (Q 32 KB + K 64 KB + V 96 KB).
     pingpong: offset the two compute warpgroups so softmax and wgmma overlap.
     overlap: inside each warpgroup, issue S = Q K^T of block j together with the P V product of
       block j - 1 and run the softmax of block j while P V is still on the tensor cores
@@ -134,7 +125,6 @@ class MosaicForwardConfig:
     compute_registers: int = 232
     copy_registers: int = 40
     profile_dir: str = ""
-    v_stages: int = 0
 
     def __post_init__(self):
         if self.block_q != 64:
@@ -145,18 +135,10 @@ class MosaicForwardConfig:
                 f"MosaicForwardConfig.block_kv must be 64, 128, 192 or 256, got {self.block_kv}")
         if self.stages < 2:
             raise ValueError(f"MosaicForwardConfig.stages must be >= 2, got {self.stages}")
-        if self.v_stages != 0 and self.v_stages < 2:
-            raise ValueError("MosaicForwardConfig.v_stages must be 0 (as many as stages) or "
-                             f">= 2, got {self.v_stages}")
-
-    def value_stages(self) -> int:
-        """The number of V slots: v_stages, or stages where v_stages is 0."""
-        return self.v_stages or self.stages
 
     def smem_bytes(self, head_dim: int, itemsize: int = 2) -> int:
         q = COMPUTE_WGS * self.block_q * head_dim * itemsize
-        block = self.block_kv * head_dim * itemsize
-        kv = (self.stages + self.value_stages()) * block
+        kv = 2 * self.stages * self.block_kv * head_dim * itemsize
         stats = 2 * COMPUTE_WGS * self.block_q * 4
         return q + kv + stats + SMEM_RESERVED
 
@@ -169,7 +151,9 @@ def default_forward_config(head_dim: int) -> MosaicForwardConfig:
       head_dim 128: block_kv 128, 2 stages, overlap    596 / 575 (0.91 / 1.01; session 4: the
                     previous default, ping-pong without overlap, 541 / 572 in the same run; overlap
                     with ping-pong 587 / 558; block_kv 64 543 / 528; 3 stages or block_kv 192
-                    exceed shared memory)
+                    exceed shared memory; session 8, run 35: V given a third slot apart from
+                    K's two, 588 / 584 against 604 / 575 at 8k, 532 / 618 against 547 / 609
+                    at 16k, not kept)
       head_dim 256: block_kv 64, 2 stages, overlap     692 / 669 (0.98 / 1.14; ping-pong without
                     overlap 640 / 607, overlap with ping-pong 642 / 621)
     """
@@ -219,7 +203,6 @@ def _kernel_body(q_ref, k_ref, v_ref, q_ids_ref, kv_ids_ref, cta_seg_ref, wg_seg
             head_dim: int):
     mask = spec.mask
     block_q, block_kv, stages = cfg.block_q, cfg.block_kv, cfg.stages
-    v_stages = cfg.value_stages()
     cta_rows = COMPUTE_WGS * block_q
     dtype = q_ref.dtype
     c = logit_scale(spec) * LOG2E
@@ -233,13 +216,6 @@ def _kernel_body(q_ref, k_ref, v_ref, q_ids_ref, kv_ids_ref, cta_seg_ref, wg_seg
 
     def slot_of(j):
         return lax.rem(j - cta_lo, jnp.int32(stages))
-
-    def v_slot_of(j, k_slot=None):
-        """Block j's V slot; k_slot (its K slot, if at hand) is reused when both kinds of
-        slot have the same count, which keeps the default configs' jaxprs as they were."""
-        if v_stages == stages:
-            return slot_of(j) if k_slot is None else k_slot
-        return lax.rem(j - cta_lo, jnp.int32(v_stages))
 
     def rendezvous():
         if cfg.pingpong:
@@ -295,7 +271,7 @@ def _kernel_body(q_ref, k_ref, v_ref, q_ids_ref, kv_ids_ref, cta_seg_ref, wg_seg
             l = l * alpha + jnp.sum(p, axis=1)
             return m_new, alpha, p, l
 
-        def plus_pv_interpret(acc, p_in, v_slot):
+        def plus_pv_interpret(acc, p_in, slot):
             # GPU interpret mode (jax 0.11.2) takes neither `run_state` over an accumulator
             # ("Cannot lower jaxpr with effects: ... _WGMMAPipelineEffect") nor a wgmma
             # operand in registers ("Expected shape (6,) but got (64, 64)"): there, P goes
@@ -305,7 +281,7 @@ def _kernel_body(q_ref, k_ref, v_ref, q_ids_ref, kv_ids_ref, cta_seg_ref, wg_seg
             plgpu.commit_smem()
 
             def fresh(acc_ref):
-                plgpu.wgmma(acc_ref, my_p, v_smem.at[v_slot])
+                plgpu.wgmma(acc_ref, my_p, v_smem.at[slot])
                 return acc_ref[...]
 
             return acc + pl.run_scoped(fresh, plgpu.ACC((block_q, head_dim), jnp.float32))
@@ -313,7 +289,6 @@ def _kernel_body(q_ref, k_ref, v_ref, q_ids_ref, kv_ids_ref, cta_seg_ref, wg_seg
         def step(j, carry, masked: bool):
             acc, m, l = carry
             slot = slot_of(j)
-            v_slot = v_slot_of(j, slot)
             with jax.named_scope("k_wait"):
                 plgpu.barrier_wait(k_loaded.at[slot])
 
@@ -328,17 +303,17 @@ def _kernel_body(q_ref, k_ref, v_ref, q_ids_ref, kv_ids_ref, cta_seg_ref, wg_seg
             p_in = p.astype(dtype)
             acc = acc * _bcast_rows(alpha, acc.shape)
             with jax.named_scope("v_wait"):
-                plgpu.barrier_wait(v_loaded.at[v_slot])
+                plgpu.barrier_wait(v_loaded.at[slot])
             rendezvous()
 
             def weighted_values(acc_ref):
-                plgpu.wgmma(acc_ref, p_in, v_smem.at[v_slot])
+                plgpu.wgmma(acc_ref, p_in, v_smem.at[slot])
 
             if spec.interpret:
-                acc = plus_pv_interpret(acc, p_in, v_slot)
+                acc = plus_pv_interpret(acc, p_in, slot)
             else:
                 acc = pl.run_state(weighted_values)(plgpu.ACC.init(acc))
-            plgpu.barrier_arrive(v_free.at[v_slot])
+            plgpu.barrier_arrive(v_free.at[slot])
             return acc, m_new, l
 
         # cfg.overlap: the P V product lags one block. Step j issues S_j = Q K_j^T and then
@@ -347,15 +322,14 @@ def _kernel_body(q_ref, k_ref, v_ref, q_ids_ref, kv_ids_ref, cta_seg_ref, wg_seg
         # rescaled to m_j once P V lands. The first step has no previous block: it multiplies a
         # zero P by its own V block (prev == j) and releases nothing; `finish_lagged` issues
         # the last block's P V after the loop. V_prev is waited for just before its P V (one
-        # step after its K), so each V slot is held one step longer (config.v_stages can give V
-        # more slots than K for that); `waited` marks the one case where it already was (the
-        # step after the first, whose zero P V read it). With ping-pong, waiting for V_j in
-        # step j instead would deadlock at 2 stages: V_j's load needs both warpgroups' release
-        # of V_{j-2}, which the lagging warpgroup only gives after the rendezvous that the
-        # leading one would then never reach.
+        # step after its K), so each V slot is held one step longer; `waited` marks the one
+        # case where it already was (the step after the first, whose zero P V read it). With
+        # ping-pong, waiting for V_j in step j instead would deadlock at 2 stages: V_j's load
+        # needs both warpgroups' release of V_{j-2}, which the lagging warpgroup only gives
+        # after the rendezvous that the leading one would then never reach.
         def step_lagged(j, carry, masked: bool):
             acc, m, l, p_prev, prev, waited = carry
-            slot, prev_slot = slot_of(j), v_slot_of(prev)  # K slot of j, V slot of prev
+            slot, prev_slot = slot_of(j), slot_of(prev)
             with jax.named_scope("k_wait"):
                 plgpu.barrier_wait(k_loaded.at[slot])
             with jax.named_scope("v_wait"):
@@ -412,7 +386,7 @@ def _kernel_body(q_ref, k_ref, v_ref, q_ids_ref, kv_ids_ref, cta_seg_ref, wg_seg
             """The last block's P V; (acc, m, l). With no block computed, P is zero and the V
             slot is not read for anything that is kept (rows with l = 0 are written as 0)."""
             acc, m, l, p_prev, prev, waited = carry
-            prev_slot = v_slot_of(prev)
+            prev_slot = slot_of(prev)
             any_block = hi > lo
             pl.when(any_block & jnp.logical_not(waited))(
                 lambda: plgpu.barrier_wait(v_loaded.at[prev_slot]))
@@ -428,12 +402,11 @@ def _kernel_body(q_ref, k_ref, v_ref, q_ids_ref, kv_ids_ref, cta_seg_ref, wg_seg
 
         def drain(j, _):
             slot = slot_of(j)
-            v_slot = v_slot_of(j, slot)
             plgpu.barrier_wait(k_loaded.at[slot])
             plgpu.barrier_arrive(k_free.at[slot])
             rendezvous()
-            plgpu.barrier_wait(v_loaded.at[v_slot])
-            plgpu.barrier_arrive(v_free.at[v_slot])
+            plgpu.barrier_wait(v_loaded.at[slot])
+            plgpu.barrier_arrive(v_free.at[slot])
             rendezvous()
 
         acc = plgpu.layout_cast(jnp.zeros((block_q, head_dim), jnp.float32), plgpu.Layout.WGMMA)
@@ -493,46 +466,31 @@ def _kernel_body(q_ref, k_ref, v_ref, q_ids_ref, kv_ids_ref, cta_seg_ref, wg_seg
         kv_head = lax.div(head, jnp.int32(group))
 
         def load(i, _):
-            # Block j of the CTA's range goes to K slot i % stages and V slot i % v_stages,
-            # each once both compute warpgroups have released the block that used the slot
-            # before. Every start is dynamic: a partial last block reaches past seq_kv, which
-            # the TMA reads as zeros (a static start would be bounds-checked when traced and
-            # refused).
+            # Block j of the CTA's range goes to slot i % stages once both compute warpgroups
+            # have released the block that used the slot before. Every start is dynamic: a
+            # partial last block reaches past seq_kv, which the TMA reads as zeros (a static
+            # start would be bounds-checked when traced and refused).
             j = cta_lo + i
             slot = lax.rem(i, jnp.int32(stages))
             rows = (batch, pl.ds(j * block_kv, block_kv), kv_head)
             refill = i >= stages
-            v_slot, v_refill = slot, refill
-            if v_stages != stages:
-                v_slot, v_refill = lax.rem(i, jnp.int32(v_stages)), i >= v_stages
             pl.when(refill)(lambda: plgpu.barrier_wait(k_free.at[slot]))
             plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot], k_loaded.at[slot])
-            pl.when(v_refill)(lambda: plgpu.barrier_wait(v_free.at[v_slot]))
-            plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[v_slot], v_loaded.at[v_slot])
+            pl.when(refill)(lambda: plgpu.barrier_wait(v_free.at[slot]))
+            plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot], v_loaded.at[slot])
 
         with jax.named_scope("stream"):
             lax.fori_loop(jnp.int32(0), n_steps, load, None)
 
         # Observe the last releases too, so every phase of every barrier is waited for (GPU
         # interpret mode checks this when the barriers are freed; on the GPU it costs nothing,
-        # this warpgroup has no work left). The loads waited for the releases of all blocks
-        # but the last `stages` (K) and the last `v_stages` (V).
+        # this warpgroup has no work left).
         def last_release(i, _):
             slot = lax.rem(i, jnp.int32(stages))
             plgpu.barrier_wait(k_free.at[slot])
             plgpu.barrier_wait(v_free.at[slot])
 
-        def last_release_k(i, _):
-            plgpu.barrier_wait(k_free.at[lax.rem(i, jnp.int32(stages))])
-
-        def last_release_v(i, _):
-            plgpu.barrier_wait(v_free.at[lax.rem(i, jnp.int32(v_stages))])
-
-        if v_stages == stages:
-            lax.fori_loop(jnp.maximum(n_steps - stages, 0), n_steps, last_release, None)
-        else:
-            lax.fori_loop(jnp.maximum(n_steps - stages, 0), n_steps, last_release_k, None)
-            lax.fori_loop(jnp.maximum(n_steps - v_stages, 0), n_steps, last_release_v, None)
+        lax.fori_loop(jnp.maximum(n_steps - stages, 0), n_steps, last_release, None)
 
 
 def forward(spec: AttentionSpec, q, k, v, q_ids=None, kv_ids=None, *,
@@ -568,15 +526,15 @@ def forward(spec: AttentionSpec, q, k, v, q_ids=None, kv_ids=None, *,
                                        jnp.float32)
     scratch = [
         plgpu.SMEM((COMPUTE_WGS, cfg.block_q, head_dim), dtype),
-        plgpu.SMEM((cfg.stages, cfg.block_kv, head_dim), dtype),                # K slots
-        plgpu.SMEM((cfg.value_stages(), cfg.block_kv, head_dim), dtype),        # V slots
+        plgpu.SMEM((cfg.stages, cfg.block_kv, head_dim), dtype),
+        plgpu.SMEM((cfg.stages, cfg.block_kv, head_dim), dtype),
         plgpu.SMEM((COMPUTE_WGS, cfg.block_q), jnp.float32),
         plgpu.SMEM((COMPUTE_WGS, cfg.block_q), jnp.float32),
         plgpu.Barrier(num_barriers=COMPUTE_WGS),
-        plgpu.Barrier(num_barriers=cfg.stages),                                 # k_loaded
-        plgpu.Barrier(num_barriers=cfg.value_stages()),                         # v_loaded
-        plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=cfg.stages),       # k_free
-        plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=cfg.value_stages()),  # v_free
+        plgpu.Barrier(num_barriers=cfg.stages),
+        plgpu.Barrier(num_barriers=cfg.stages),
+        plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=cfg.stages),
+        plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=cfg.stages),
         plgpu.Barrier(num_arrivals=COMPUTE_WGS),
     ]
     if spec.interpret:
