@@ -151,7 +151,7 @@ def default_forward_config(head_dim: int) -> MosaicForwardConfig:
       head_dim 128: block_kv 128, 2 stages, overlap    596 / 575 (0.91 / 1.01; session 4: the
                     previous default, ping-pong without overlap, 541 / 572 in the same run; overlap
                     with ping-pong 587 / 558; block_kv 64 543 / 528; 3 stages or block_kv 192
-                    exceed shared memory; session 8, run 35: V given a third slot apart from
+                    exceed shared memory; session 8, run 36: V given a third slot apart from
                     K's two, 588 / 584 against 604 / 575 at 8k, 532 / 618 against 547 / 609
                     at 16k, not kept)
       head_dim 256: block_kv 64, 2 stages, overlap     692 / 669 (0.98 / 1.14; ping-pong without
