@@ -48,16 +48,16 @@ HEADS = {64: 32, 128: 16, 256: 8}
 
 
 def forward_candidates(head_dim: int, *, stages=None, pingpong=(True, False),
-                       overlap=(False, True), registers=((232, 40),)
+                       overlap=(False, True), registers=((232, 40),), cluster=(1,), block_kvs=None
                        ) -> list[mf.MosaicForwardConfig]:
-    kvs = {64: (128, 256), 128: (64, 128, 192), 256: (64, 128)}[head_dim]
+    kvs = block_kvs or {64: (128, 256), 128: (64, 128, 192), 256: (64, 128)}[head_dim]
     stage_counts = stages or ((2, 3) if head_dim == 64 else (2, 3, 4))
     out = []
-    for block_kv, n_stages, pp, ov, (compute, copy) in itertools.product(
-            kvs, stage_counts, pingpong, overlap, registers):
+    for block_kv, n_stages, pp, ov, (compute, copy), n_cluster in itertools.product(
+            kvs, stage_counts, pingpong, overlap, registers, cluster):
         cfg = mf.MosaicForwardConfig(block_q=64, block_kv=block_kv, stages=n_stages,
                                      pingpong=pp, overlap=ov, compute_registers=compute,
-                                     copy_registers=copy)
+                                     copy_registers=copy, cluster=n_cluster)
         if cfg.smem_bytes(head_dim) <= SMEM_LIMIT:
             out.append(cfg)
     return out
@@ -105,6 +105,8 @@ def main():
     p.add_argument("--fwd-overlap", default="0,1", help="forward overlap, comma list of 0/1")
     p.add_argument("--fwd-registers", default="232/40",
                    help="forward compute/copy register budgets, e.g. 232/40,240/24")
+    p.add_argument("--fwd-cluster", default="1", help="forward CTAs per cluster, e.g. 1,2")
+    p.add_argument("--fwd-block-kv", default=None, help="forward key blocks, e.g. 128")
     p.add_argument("--bwd-configs", default=None,
                    help="backward configs instead of the sweep: ';'-separated overrides of the "
                         "head_dim's default, e.g. ';fused=1,dkdv_stages=2' (empty = the default)")
@@ -119,7 +121,9 @@ def main():
     fwd_space = dict(
         stages=tuple(int(x) for x in args.fwd_stages.split(",")) if args.fwd_stages else None,
         pingpong=flags(args.fwd_pingpong), overlap=flags(args.fwd_overlap),
-        registers=tuple(tuple(int(x) for x in r.split("/")) for r in args.fwd_registers.split(",")))
+        registers=tuple(tuple(int(x) for x in r.split("/")) for r in args.fwd_registers.split(",")),
+        cluster=tuple(int(x) for x in args.fwd_cluster.split(",")),
+        block_kvs=tuple(int(x) for x in args.fwd_block_kv.split(",")) if args.fwd_block_kv else None)
     path = os.path.join(args.out, f"mosaic_tune_{'_'.join(map(str, dims))}.json")
     dev = jax.devices()[0]
     record = {"device": dev.device_kind, "jax": jax.__version__,

@@ -235,7 +235,42 @@ def test_features_lower_for_sm90(sq, skv, opts):
     (dict(block_q=128), "block_q"),
     (dict(block_kv=96), "block_kv"),
     (dict(stages=1), "stages"),
+    (dict(cluster=3), "cluster"),
 ])
 def test_config_validation(fields, match):
     with pytest.raises(ValueError, match=rf"MosaicForwardConfig\.{match} must be"):
         C(**fields)
+
+
+# config.cluster=2: two CTAs of adjacent tiles share each K / V block by TMA multicast, each
+# streaming the union of their key ranges; odd tile counts pad the grid with a tile past seq_q.
+# Compiled only (the interpreter has no clusters); the CPU checks that it lowers for sm_90.
+@pytest.mark.skipif(not IS_HOPPER, reason="clusters and TMA multicast run compiled only "
+                    "(test_cluster_lowers_for_sm90 covers the CPU)")
+@pytest.mark.parametrize("b,sq,skv,hq,hkv,d,dtype,config,opts", [
+    pytest.param(*case.values[:7], dataclasses.replace(case.values[7], cluster=2),
+                 case.values[8], id=case.id) for case in FEATURE_CASES] + [
+    # 3 tiles of 128 rows (a fourth, empty, pads the last cluster), GQA, causal and not, at
+    # the head_dim 128 default tiles.
+    pytest.param(2, 300, 300, 4, 2, 128, jnp.bfloat16,
+                 dataclasses.replace(mosaic.default_forward_config(128), cluster=2),
+                 dict(causal=c), id=f"odd-tiles-gqa-d128-{'causal' if c else 'full'}")
+    for c in (True, False)])
+def test_cluster_matches_reference_and_triton(b, sq, skv, hq, hkv, d, dtype, config, opts):
+    test_features_match_reference_and_triton(b, sq, skv, hq, hkv, d, dtype, config, opts)
+
+
+@pytest.mark.parametrize("d,causal,has_segments", [
+    (128, True, False), (128, False, False), (128, True, True), (64, False, False)])
+def test_cluster_lowers_for_sm90(d, causal, has_segments):
+    sq = skv = 1000    # 8 tiles of 128 rows: 4 clusters
+    q, k, v = _inputs(2, sq, skv, 4, 2, d, jnp.bfloat16)
+    spec = _spec(q, k, causal=causal, has_segments=has_segments, interpret=False)
+    cfg = dataclasses.replace(mosaic.default_forward_config(d), cluster=2)
+    ids = (_sorted_ids(3, 2, sq, 4), _sorted_ids(4, 2, skv, 4)) if has_segments else ()
+    fn = jax.jit(lambda q, k, v, *ids: mosaic.forward(spec, q, k, v, *ids, config=cfg))
+    text = fn.trace(q, k, v, *ids).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
+    # The interpreter has no clusters: refused up front, with the reason.
+    interp = _spec(q, k, causal=causal, interpret=True)
+    assert "cluster" in mosaic.unsupported_reason(interp, q, k, v, cfg)

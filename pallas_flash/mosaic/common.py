@@ -99,29 +99,68 @@ def streamed_range(bounds, seg_ref, batch, block):
     return lo, hi
 
 
-def grid_position(mask, n_tiles: int | None = None):
+CLUSTER_AXIS = "pair"   # the CTAs of a cluster along the tile axis (forward, config.cluster)
+
+
+def _tile_of(index, mask, n_tiles: int | None):
+    """The query / key tile that grid index `index` (along the tile axis) works on."""
+    if n_tiles is not None and mask.right is not None:
+        return (n_tiles - 1) - index
+    return index
+
+
+def _grid_tile_index(cluster: int):
+    """This CTA's index along the tile axis, counting CTAs, not clusters."""
+    index = lax.axis_index("tile")
+    if cluster > 1:
+        index = index * cluster + lax.axis_index(CLUSTER_AXIS)
+    return index
+
+
+def grid_position(mask, n_tiles: int | None = None, cluster: int = 1):
     """(tile, head, batch, warpgroup) of this program. For query-tile kernels (n_tiles given)
     with a causal bound (mask.right set), tiles run last-first: the last query rows see the most
     keys, and starting the longest CTAs first keeps the tail of the grid short. Key-tile kernels
-    give no n_tiles: their first tiles are the longest already."""
-    tile = lax.axis_index("tile")
-    if n_tiles is not None and mask.right is not None:
-        tile = (n_tiles - 1) - tile
+    give no n_tiles: their first tiles are the longest already. With `cluster` > 1 the grid's
+    tile axis counts clusters of that many CTAs (adjacent tiles; axis CLUSTER_AXIS)."""
+    tile = _tile_of(_grid_tile_index(cluster), mask, n_tiles)
     return tile, lax.axis_index("head"), lax.axis_index("batch"), lax.axis_index("wg")
 
 
-def query_tile_position(mask, n_tiles: int, cta_rows: int, block_kv: int, seg_ref):
+def query_tile_position(mask, n_tiles: int, cta_rows: int, block_kv: int, seg_ref,
+                        cluster: int = 1):
     """(tile, head, batch, warpgroup, cta_start, cta_lo, cta_hi) of a query-tile kernel's
     program (forward, dQ): its position (`grid_position`, last tile first under a causal bound),
     its first query row, and the key blocks [cta_lo, cta_hi) its copy warpgroup streams: those
     any of its rows needs (MaskSpec.kv_blocks), narrowed by the segment range where there are
     ids. Each compute warpgroup consumes every streamed block (computing its own sub-range,
-    draining the rest), so the barriers stay in step."""
-    tile, head, batch, wg = grid_position(mask, n_tiles)
+    draining the rest), so the barriers stay in step.
+
+    With `cluster` > 1 the CTAs of a cluster share every K / V block (TMA multicast), so each
+    streams the union of their ranges; a tile wholly past seq_q (the grid is padded to whole
+    clusters) adds nothing to it."""
+    tile, head, batch, wg = grid_position(mask, n_tiles, cluster)
     cta_start = tile * cta_rows
-    cta_lo, cta_hi = streamed_range(mask.kv_blocks(cta_start, cta_rows, block_kv, mask.seq_kv),
-                                    seg_ref, batch, tile)
-    return tile, head, batch, wg, cta_start, cta_lo, cta_hi
+
+    def tile_range(t, start):
+        return streamed_range(mask.kv_blocks(start, cta_rows, block_kv, mask.seq_kv),
+                              seg_ref, batch, t)
+
+    if cluster == 1:
+        cta_lo, cta_hi = tile_range(tile, cta_start)
+        return tile, head, batch, wg, cta_start, cta_lo, cta_hi
+    base = lax.axis_index("tile") * cluster
+    lo_u = jnp.int32(jnp.iinfo(jnp.int32).max)
+    hi_u = jnp.int32(jnp.iinfo(jnp.int32).min)
+    for i in range(cluster):
+        t = _tile_of(base + i, mask, n_tiles)
+        t_lo, t_hi = tile_range(t, t * cta_rows)
+        counts = (t * cta_rows < mask.seq_q) & (t_hi > t_lo)
+        lo_u = jnp.where(counts, jnp.minimum(lo_u, t_lo), lo_u)
+        hi_u = jnp.where(counts, jnp.maximum(hi_u, t_hi), hi_u)
+    empty = hi_u <= lo_u
+    return (tile, head, batch, wg, cta_start, jnp.where(empty, 0, lo_u),
+            jnp.where(empty, 0, hi_u))
 
 
 def stream_through_slots(issue, slot_free, stages: int, total):

@@ -87,8 +87,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_flash.masking import PAD_KEY_ID, PAD_QUERY_ID, segment_block_ranges
-from pallas_flash.mosaic.common import (SMEM_LIMIT, SMEM_RESERVED, clamp_range, logit_units,
-                                       narrowed, pad_seq, query_tile_position,
+from pallas_flash.mosaic.common import (CLUSTER_AXIS, SMEM_LIMIT, SMEM_RESERVED, clamp_range,
+                                       logit_units, narrowed, pad_seq, query_tile_position,
                                        profile_params, unsupported_operands)
 from pallas_flash.spec import AttentionSpec
 from pallas_flash.stats import LOG2E, RowStats, logit_scale
@@ -115,6 +115,13 @@ class MosaicForwardConfig:
     compute_registers / copy_registers: per-thread register budgets after the split.
     profile_dir: a folder for Mosaic GPU traces of the kernel (one per call; see
       common.profile_params), "" (the default) for none. A diagnostic.
+    cluster: CTAs per cluster along the query tiles, 1 or 2. With 2, two CTAs of adjacent
+      tiles share each K / V block: each loads half of it by TMA multicast into both, and a
+      slot is refilled once the compute warpgroups of both have released it (cluster
+      barriers); each streams the union of the two tiles' key ranges. Why: every CTA reads
+      its head's whole K and V from L2, and Nsight Compute put the forward's L2 throughput at
+      70% (NOTES.md run 34; a third V slot, which would have hidden latency, did not help:
+      run 36). Opt-in, compiled only (the interpreter has no clusters).
     """
 
     block_q: int = 64
@@ -125,6 +132,7 @@ class MosaicForwardConfig:
     compute_registers: int = 232
     copy_registers: int = 40
     profile_dir: str = ""
+    cluster: int = 1
 
     def __post_init__(self):
         if self.block_q != 64:
@@ -135,6 +143,8 @@ class MosaicForwardConfig:
                 f"MosaicForwardConfig.block_kv must be 64, 128, 192 or 256, got {self.block_kv}")
         if self.stages < 2:
             raise ValueError(f"MosaicForwardConfig.stages must be >= 2, got {self.stages}")
+        if self.cluster not in (1, 2):
+            raise ValueError(f"MosaicForwardConfig.cluster must be 1 or 2, got {self.cluster}")
 
     def smem_bytes(self, head_dim: int, itemsize: int = 2) -> int:
         q = COMPUTE_WGS * self.block_q * head_dim * itemsize
@@ -167,12 +177,13 @@ def default_forward_config(head_dim: int) -> MosaicForwardConfig:
 
 def unsupported_reason(spec: AttentionSpec, q, k, v, config: MosaicForwardConfig | None = None):
     """Why this kernel cannot take the call, or None if it can."""
-    del spec  # every mask, softcap and segment option is served
     reason = unsupported_operands("forward", q, k, v)
     if reason is not None:
         return reason
     head_dim = q.shape[-1]
     cfg = config or default_forward_config(head_dim)
+    if cfg.cluster > 1 and spec.interpret:
+        return "mosaic forward: config.cluster > 1 runs compiled only (no clusters in interpret mode)"
     if cfg.smem_bytes(head_dim) > SMEM_LIMIT:
         return (f"mosaic forward: config {cfg} needs {cfg.smem_bytes(head_dim)} bytes of shared "
                 f"memory at this head_dim (limit {SMEM_LIMIT})")
@@ -211,7 +222,7 @@ def _kernel_body(q_ref, k_ref, v_ref, q_ids_ref, kv_ids_ref, cta_seg_ref, wg_seg
     kv_len = mask.seq_kv if mask.seq_kv % block_kv else None
 
     tile, head, batch, wg, cta_start, cta_lo, cta_hi = query_tile_position(
-        mask, n_tiles, cta_rows, block_kv, cta_seg_ref)
+        mask, n_tiles, cta_rows, block_kv, cta_seg_ref, cfg.cluster)
     n_steps = cta_hi - cta_lo
 
     def slot_of(j):
@@ -464,6 +475,8 @@ def _kernel_body(q_ref, k_ref, v_ref, q_ids_ref, kv_ids_ref, cta_seg_ref, wg_seg
     def _copy():
         plgpu.set_max_registers(cfg.copy_registers, action="decrease")
         kv_head = lax.div(head, jnp.int32(group))
+        # config.cluster: each CTA of the pair loads half of every block into both.
+        multicast = dict(collective_axes=CLUSTER_AXIS) if cfg.cluster > 1 else {}
 
         def load(i, _):
             # Block j of the CTA's range goes to slot i % stages once both compute warpgroups
@@ -475,9 +488,11 @@ def _kernel_body(q_ref, k_ref, v_ref, q_ids_ref, kv_ids_ref, cta_seg_ref, wg_seg
             rows = (batch, pl.ds(j * block_kv, block_kv), kv_head)
             refill = i >= stages
             pl.when(refill)(lambda: plgpu.barrier_wait(k_free.at[slot]))
-            plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot], k_loaded.at[slot])
+            plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot], k_loaded.at[slot],
+                                    **multicast)
             pl.when(refill)(lambda: plgpu.barrier_wait(v_free.at[slot]))
-            plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot], v_loaded.at[slot])
+            plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot], v_loaded.at[slot],
+                                    **multicast)
 
         with jax.named_scope("stream"):
             lax.fori_loop(jnp.int32(0), n_steps, load, None)
@@ -517,6 +532,8 @@ def forward(spec: AttentionSpec, q, k, v, q_ids=None, kv_ids=None, *,
     k = pad_seq(k, 8)
     v = pad_seq(v, 8)
     n_tiles = pl.cdiv(seq_q, COMPUTE_WGS * cfg.block_q)
+    # Whole clusters: a tile past seq_q computes nothing and stores nothing (config.cluster).
+    n_tiles = pl.cdiv(n_tiles, cfg.cluster) * cfg.cluster
     dtype = q.dtype
 
     # The row statistics are written in whole 64-row pieces, so they are allocated for whole
@@ -524,6 +541,10 @@ def forward(spec: AttentionSpec, q, k, v, q_ids=None, kv_ids=None, *,
     # the TMA store drops rows past seq_q.
     stats_shape = jax.ShapeDtypeStruct((batch, q_heads, n_tiles * COMPUTE_WGS * cfg.block_q),
                                        jnp.float32)
+    # A slot's "free" barrier: with config.cluster, a cluster barrier that counts the releases
+    # of both CTAs' compute warpgroups (either CTA's copy writes into both).
+    free_barrier = (functools.partial(plgpu.ClusterBarrier, collective_axes=(CLUSTER_AXIS,))
+                    if cfg.cluster > 1 else plgpu.Barrier)
     scratch = [
         plgpu.SMEM((COMPUTE_WGS, cfg.block_q, head_dim), dtype),
         plgpu.SMEM((cfg.stages, cfg.block_kv, head_dim), dtype),
@@ -533,8 +554,8 @@ def forward(spec: AttentionSpec, q, k, v, q_ids=None, kv_ids=None, *,
         plgpu.Barrier(num_barriers=COMPUTE_WGS),
         plgpu.Barrier(num_barriers=cfg.stages),
         plgpu.Barrier(num_barriers=cfg.stages),
-        plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=cfg.stages),
-        plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=cfg.stages),
+        free_barrier(num_arrivals=COMPUTE_WGS, num_barriers=cfg.stages),
+        free_barrier(num_arrivals=COMPUTE_WGS, num_barriers=cfg.stages),
         plgpu.Barrier(num_arrivals=COMPUTE_WGS),
     ]
     if spec.interpret:
@@ -545,8 +566,9 @@ def forward(spec: AttentionSpec, q, k, v, q_ids=None, kv_ids=None, *,
         body,
         out_type=(jax.ShapeDtypeStruct(q.shape, dtype), stats_shape, stats_shape),
         scratch_types=scratch,
-        grid=(n_tiles, q_heads, batch),
+        grid=(n_tiles // cfg.cluster, q_heads, batch),
         grid_names=("tile", "head", "batch"),
+        **_cluster_params(cfg.cluster),
         num_threads=COMPUTE_WGS + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(
@@ -564,6 +586,13 @@ def forward(spec: AttentionSpec, q, k, v, q_ids=None, kv_ids=None, *,
     return out[:, :seq_q], RowStats(m[..., :seq_q], r[..., :seq_q])
 
 
+def _cluster_params(cluster: int) -> dict:
+    """plgpu.kernel's cluster arguments: `cluster` CTAs of adjacent tiles, or none."""
+    if cluster == 1:
+        return {}
+    return dict(cluster=(cluster, 1, 1), cluster_names=(CLUSTER_AXIS, "pair_head", "pair_batch"))
+
+
 def _segment_operands(q_ids, kv_ids, cfg: MosaicForwardConfig, n_tiles: int):
     """The kernel's segment inputs: ids padded so no id read goes past the end, and the key
     block ranges [lo, hi) per (batch, tile) and per (batch, warpgroup block), int32 [.., 2]."""
@@ -571,6 +600,8 @@ def _segment_operands(q_ids, kv_ids, cfg: MosaicForwardConfig, n_tiles: int):
     n_kv = pl.cdiv(kv_ids.shape[1], cfg.block_kv)
     cta = jnp.stack(segment_block_ranges(q_ids, kv_ids, rows, cfg.block_kv), axis=-1)
     wg = jnp.stack(segment_block_ranges(q_ids, kv_ids, cfg.block_q, cfg.block_kv), axis=-1)
+    if cta.shape[1] < n_tiles:  # a grid padded to whole clusters: an empty range
+        cta = jnp.pad(cta, ((0, 0), (0, n_tiles - cta.shape[1]), (0, 0)))
     # A warpgroup block wholly past seq_q has no range of its own (the kernel skips it).
     wg = jnp.pad(wg, ((0, 0), (0, n_tiles * COMPUTE_WGS - wg.shape[1]), (0, 0)))
     # Padding ids match nothing (masking.py); rows past seq_q are never stored either way.
