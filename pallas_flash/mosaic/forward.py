@@ -121,7 +121,13 @@ class MosaicForwardConfig:
       barriers); each streams the union of the two tiles' key ranges. Why: every CTA reads
       its head's whole K and V from L2, and Nsight Compute put the forward's L2 throughput at
       70% (NOTES.md run 34; a third V slot, which would have hidden latency, did not help:
-      run 36). Opt-in, compiled only (the interpreter has no clusters).
+      run 36). Opt-in, compiled only (the interpreter has no clusters). Timed on the H200
+      (runs 38-39, kernel alone, 2 x seq x 16 heads, TFLOP/s cluster 1 -> 2, two runs):
+      head_dim 128 non-causal 8k 608 -> 618 and 617 -> 629, 16k 558 -> 623 and 561 -> 599;
+      causal 8k 594 -> 586 and 593 -> 582, 16k 630 -> 624 and 633 -> 620; head_dim 64
+      (block_kv 256) 412 -> 411 / 383 -> 400; head_dim 256 (block_kv 64) 711 -> 680 / 694 ->
+      633. So a candidate default for head_dim 128 without a position mask only, pending the
+      compiled suite with it on.
     """
 
     block_q: int = 64
