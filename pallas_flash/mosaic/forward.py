@@ -38,6 +38,11 @@ Structure (one CTA = three warpgroups):
   a descriptor's sequence axis by 8 rows, so a length that is not a multiple of 8 is
   zero-padded in XLA first (one copy). The row statistics are allocated for whole tiles and
   sliced.
+* Optional clusters (config.cluster=2): two CTAs of adjacent tiles stream the union of their
+  key ranges, each copy warpgroup loading half of every K / V block into both CTAs (TMA
+  multicast); the "free" barriers are cluster barriers, so a slot is refilled only once all
+  four compute warpgroups have released it. The grid's tile axis then counts pairs, padded to
+  whole pairs with a tile past seq_q that computes nothing.
 * Optional ping-pong (config.pingpong): a two-arrival barrier used as a rendezvous twice per step
   offsets the two warpgroups by half a step, so one warpgroup's softmax overlaps the other's
   wgmmas. Warpgroup 1 rendezvouses once before its loop, warpgroup 0 once after, and drain steps
@@ -189,7 +194,8 @@ def unsupported_reason(spec: AttentionSpec, q, k, v, config: MosaicForwardConfig
     head_dim = q.shape[-1]
     cfg = config or default_forward_config(head_dim)
     if cfg.cluster > 1 and spec.interpret:
-        return "mosaic forward: config.cluster > 1 runs compiled only (no clusters in interpret mode)"
+        return ("mosaic forward: config.cluster > 1 runs compiled only (interpret mode has no "
+                "clusters)")
     if cfg.smem_bytes(head_dim) > SMEM_LIMIT:
         return (f"mosaic forward: config {cfg} needs {cfg.smem_bytes(head_dim)} bytes of shared "
                 f"memory at this head_dim (limit {SMEM_LIMIT})")
