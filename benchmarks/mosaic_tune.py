@@ -118,12 +118,15 @@ def main():
     def flags(text):
         return tuple(bool(int(x)) for x in text.split(","))
 
+    def ints(text):
+        return tuple(int(x) for x in text.split(","))
+
     fwd_space = dict(
         stages=tuple(int(x) for x in args.fwd_stages.split(",")) if args.fwd_stages else None,
         pingpong=flags(args.fwd_pingpong), overlap=flags(args.fwd_overlap),
         registers=tuple(tuple(int(x) for x in r.split("/")) for r in args.fwd_registers.split(",")),
-        cluster=tuple(int(x) for x in args.fwd_cluster.split(",")),
-        block_kvs=tuple(int(x) for x in args.fwd_block_kv.split(",")) if args.fwd_block_kv else None)
+        cluster=ints(args.fwd_cluster),
+        block_kvs=ints(args.fwd_block_kv) if args.fwd_block_kv else None)
     path = os.path.join(args.out, f"mosaic_tune_{'_'.join(map(str, dims))}.json")
     dev = jax.devices()[0]
     record = {"device": dev.device_kind, "jax": jax.__version__,
