@@ -126,8 +126,13 @@ class MosaicForwardConfig:
       barriers); each streams the union of the two tiles' key ranges. Why: every CTA reads
       its head's whole K and V from L2, and Nsight Compute put the forward's L2 throughput at
       70% (NOTES.md run 34; a third V slot, which would have hidden latency, did not help:
-      run 36). Opt-in, compiled only (the interpreter has no clusters). Timed on the H200
-      (runs 38-39, kernel alone, 2 x seq x 16 heads, TFLOP/s cluster 1 -> 2, two runs):
+      run 36). Why a slot's barrier cannot skip a phase: a block lands in a CTA only once
+      both copy warpgroups have issued their halves, and each issues only after it waited for
+      the slot's previous phase. Opt-in, compiled only: jax 0.11.2's GPU interpreter loads a
+      multicast block whole into each CTA, which breaks that interlock (one CTA can consume and
+      release a block before the other's copy warpgroup waited for the phase before it), and it
+      hung so with ping-pong and the lagged P V; all cases passed compiled (run 38). Timed on
+      the H200 (runs 38-39, kernel alone, 2 x seq x 16 heads, TFLOP/s cluster 1 -> 2, two runs):
       head_dim 128 non-causal 8k 608 -> 618 and 617 -> 629, 16k 558 -> 623 and 561 -> 599;
       causal 8k 594 -> 586 and 593 -> 582, 16k 630 -> 624 and 633 -> 620; head_dim 64
       (block_kv 256) 412 -> 411 / 383 -> 400; head_dim 256 (block_kv 64) 711 -> 680 / 694 ->
@@ -194,8 +199,8 @@ def unsupported_reason(spec: AttentionSpec, q, k, v, config: MosaicForwardConfig
     head_dim = q.shape[-1]
     cfg = config or default_forward_config(head_dim)
     if cfg.cluster > 1 and spec.interpret:
-        return ("mosaic forward: config.cluster > 1 runs compiled only (interpret mode has no "
-                "clusters)")
+        return ("mosaic forward: config.cluster > 1 runs compiled only (the GPU interpreter "
+                "does not model TMA multicast)")
     if cfg.smem_bytes(head_dim) > SMEM_LIMIT:
         return (f"mosaic forward: config {cfg} needs {cfg.smem_bytes(head_dim)} bytes of shared "
                 f"memory at this head_dim (limit {SMEM_LIMIT})")
