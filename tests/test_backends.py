@@ -177,11 +177,13 @@ def test_guarded_backend_confines_nonfinite_inputs_like_triton(which, mosaic_ker
         dlse = jax.random.normal(jax.random.PRNGKey(90), lse.shape)
         return [np.asarray(x, np.float32) for x in (out, lse, *vjp((do, dlse)))]
 
-    fast = run("guarded", q, k, v, do)
-    for got, want in zip(fast, run("mosaic", q, k, v, do)):
-        np.testing.assert_array_equal(got, want)
-    if stand_in is not None:  # the stand-in's mark: the fast branch ran; now its values are Triton's
-        assert not np.array_equal(fast[0], run("triton", q, k, v, do)[0])
+    if which == "v":  # the finite half is the same for every poisoned operand: run it once
+        fast = run("guarded", q, k, v, do)
+        for got, want in zip(fast, run("mosaic", q, k, v, do)):
+            np.testing.assert_array_equal(got, want)
+        if stand_in is not None:  # the stand-in's mark: the fast branch ran
+            assert not np.array_equal(fast[0], run("triton", q, k, v, do)[0])
+    if stand_in is not None:  # from here on the stand-in's values are Triton's
         stand_in.mark = 0.0
         attention._custom_vjp_attention.cache_clear()
     poisoned = dict(q=q, k=k, v=v, do=do)
