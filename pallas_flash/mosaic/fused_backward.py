@@ -218,10 +218,6 @@ def _fused_body(q_ref, k_ref, v_ref, do_ref, st_ref, dk_ref, dv_ref, dq_ref,
             ds_smem.at[par, w][...] = ds_t
             plgpu.commit_smem()
             plgpu.barrier_arrive(ds_ready.at[par])
-            dq_product(t, par)
-
-        def dq_product(t, par):
-            """Step t's dQ_partial (this warpgroup's share) from dS^T buffer `par` to a dQ slot."""
             with jax.named_scope("ds_wait"):
                 plgpu.barrier_wait(ds_ready.at[par])
 

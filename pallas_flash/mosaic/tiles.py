@@ -88,8 +88,7 @@ def transposed_weights(spec, c, k_tile, v_tile, q_blk, do_blk, st, shape, *, wai
     -16%, head_dim 256 -4% (NOTES.md run 33).
     """
     wait_q()
-    s_t = matmul(k_tile, q_blk.T, shape)
-    u_t, t_t = logit_units(spec, s_t)
+    u_t, t_t = logit_units(spec, matmul(k_tile, q_blk.T, shape))
     m = plgpu.load(st.at[0], layout=plgpu.Layout.WGMMA.reduce(0))
     r = plgpu.load(st.at[1], layout=plgpu.Layout.WGMMA.reduce(0))
     p_t = jnp.exp2((u_t - bcast_cols(m, shape)) * c - bcast_cols(r, shape))
