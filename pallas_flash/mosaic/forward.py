@@ -169,7 +169,8 @@ class MosaicForwardConfig:
         return q + kv + stats + SMEM_RESERVED
 
 
-def default_forward_config(head_dim: int) -> MosaicForwardConfig:
+def default_forward_config(head_dim: int, spec: AttentionSpec | None = None
+                           ) -> MosaicForwardConfig:
     """Tiles from the sweeps of benchmarks/mosaic_tune.py on the H200 (batch 2, seq 8192, bf16,
     kernel alone, cuDNN in the same process; NOTES.md), TFLOP/s non-causal / causal:
       head_dim 64:  block_kv 256, 2 stages, ping-pong  419 / 391 (x cuDNN 0.88 / 0.90; session 4:
@@ -182,13 +183,25 @@ def default_forward_config(head_dim: int) -> MosaicForwardConfig:
                     at 16k, not kept)
       head_dim 256: block_kv 64, 2 stages, overlap     692 / 669 (0.98 / 1.14; ping-pong without
                     overlap 640 / 607, overlap with ping-pong 642 / 621)
+    With `spec`, head_dim 128 calls without a position mask or segment ids, compiled, run in
+    clusters of two CTAs (`MosaicForwardConfig.cluster`; NOTES.md runs 38-39: non-causal
+    +1.6-1.8% at 8k, +6.7-11.7% at 16k; causal -1 to -2%, head_dim 256 -4 to -9%, head_dim 64
+    even).
     """
     if head_dim <= 64:
         return MosaicForwardConfig(block_q=64, block_kv=256, stages=2)
     if head_dim <= 128:
         return MosaicForwardConfig(block_q=64, block_kv=128, stages=2, pingpong=False,
-                                   overlap=True)
+                                   overlap=True, cluster=2 if _clusters_pay(spec) else 1)
     return MosaicForwardConfig(block_q=64, block_kv=64, stages=2, pingpong=False, overlap=True)
+
+
+def _clusters_pay(spec: AttentionSpec | None) -> bool:
+    """Whether a head_dim 128 call runs in clusters by default: compiled (the interpreter has
+    none), and every tile streams the same key blocks (no position mask, no segment ids), the
+    case where sharing them was timed to win."""
+    return (spec is not None and not spec.interpret and not spec.mask.has_position_mask
+            and not spec.has_segments)
 
 
 def unsupported_reason(spec: AttentionSpec, q, k, v, config: MosaicForwardConfig | None = None):
@@ -197,7 +210,7 @@ def unsupported_reason(spec: AttentionSpec, q, k, v, config: MosaicForwardConfig
     if reason is not None:
         return reason
     head_dim = q.shape[-1]
-    cfg = config or default_forward_config(head_dim)
+    cfg = config or default_forward_config(head_dim, spec)
     if cfg.cluster > 1 and spec.interpret:
         return ("mosaic forward: config.cluster > 1 runs compiled only (the GPU interpreter "
                 "does not model TMA multicast)")
@@ -533,7 +546,7 @@ def forward(spec: AttentionSpec, q, k, v, q_ids=None, kv_ids=None, *,
     """
     batch, seq_q, q_heads, head_dim = q.shape
     kv_heads = k.shape[2]
-    cfg = config or default_forward_config(head_dim)
+    cfg = config or default_forward_config(head_dim, spec)
     if (q_ids is not None) != spec.has_segments or (kv_ids is not None) != spec.has_segments:
         raise ValueError("mosaic forward: q_ids and kv_ids are given exactly when "
                          "spec.has_segments")
