@@ -177,6 +177,60 @@ def test_staged_kernels_carry_their_names():
     assert mosaic.DQ_KERNEL_NAME == "pallas_flash_mosaic_bwd_dq"
 
 
+PAIRED = Config(dkdv_block_q=64, dq_block_kv=64, dq_compute_wgs=1, dkdv_paired=True)
+
+
+@pytest.mark.skipif(not IS_HOPPER, reason="the paired dK/dV kernel runs compiled only "
+                    "(MosaicBackwardConfig.dkdv_paired)")
+@pytest.mark.parametrize("b,sq,skv,hq,hkv,dtype,options", [
+    (2, 384, 384, 4, 2, jnp.bfloat16, dict(causal=True)),
+    (1, 200, 264, 2, 1, jnp.float16, {}),
+    (1, 256, 256, 2, 2, jnp.float16, dict(causal=True, window=(70, 0))),
+    (2, 200, 180, 2, 1, jnp.bfloat16, dict(window=(50, 20), segments=(3, 7, 20))),
+], ids=["causal-gqa-bf16", "partial-f16", "window-f16", "segments-window-bf16"])
+def test_paired_dkdv_matches_reference_and_triton(b, sq, skv, hq, hkv, dtype, options):
+    """Head_dim 256 with the dK/dV warpgroups paired (one forms P^T, the other dS^T)."""
+    options = dict(options)
+    d = 256
+    q, k, v, do = random_inputs(jax.random.PRNGKey(71), b, sq, skv, hq, hkv, d, dtype)
+    dlse = jax.random.normal(jax.random.PRNGKey(72), (b, hq, sq), jnp.float32)
+    segments = options.pop("segments", None)
+    q_ids = kv_ids = None
+    if segments is not None:
+        seg_kwargs = _segments(b, sq, skv, *segments)
+        options.update(seg_kwargs)
+        q_ids, kv_ids = fold_lengths(**seg_kwargs, batch=b, seq_q=sq, seq_kv=skv)
+    spec = mosaic_spec(sq, skv, d, dtype, causal=options.get("causal", False),
+                       window=options.get("window"), has_segments=segments is not None)
+    assert PAIRED.dkdv_pairs(spec, d)
+    out, stats = triton_forward.forward(spec, q, k, v, q_ids, kv_ids)
+    grads = mosaic.backward(spec, q, k, v, out, stats, do, dlse, q_ids, kv_ids, config=PAIRED)
+    tri = triton_backward.backward(spec, q, k, v, out, stats, do, dlse, q_ids, kv_ids)
+    ref = reference_grads(q, k, v, do, dlse, **options)
+    _check(grads, tri, ref, (q, k, v), dtype)
+
+
+@pytest.mark.parametrize("dtype,options", [
+    (jnp.bfloat16, dict(causal=True)),
+    (jnp.float16, dict(window=(100, 50), has_segments=True)),
+])
+def test_paired_dkdv_lowers_for_sm90(dtype, options):
+    seq, d = 1001, 256
+    args = backward_args(2, seq, seq, 4, 2, d, dtype)
+    spec = mosaic_spec(seq, seq, d, dtype, interpret=False, **options)
+    assert PAIRED.dkdv_pairs(spec, d)
+    if spec.has_segments:
+        ids = jnp.zeros((2, seq), jnp.int32)
+        args = args + (ids, ids)
+    fn = jax.jit(lambda *a: mosaic.backward(spec, *a, config=PAIRED))
+    text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
+    # Not with a softcap, and not in the interpreter: the unpaired kernel serves those.
+    assert not PAIRED.dkdv_pairs(mosaic_spec(seq, seq, d, dtype, interpret=False,
+                                             softcap=30.0), d)
+    assert not PAIRED.dkdv_pairs(mosaic_spec(seq, seq, d, dtype, interpret=True), d)
+
+
 @pytest.mark.parametrize("d,dtype,causal,seq,options", [
     (64, jnp.bfloat16, True, 1024, {}),
     (256, jnp.float16, False, 1024, {}),

@@ -83,8 +83,9 @@ from pallas_flash.mosaic.common import (SMEM_LIMIT, SMEM_RESERVED, clamp_range, 
                                        logit_units, narrowed, pad_seq, query_tile_position,
                                        stream_through_slots, streamed_range,
                                        unsupported_operands)
-from pallas_flash.mosaic.tiles import (WG_ROWS, bcast_cols, bcast_rows, idiv, matmul, positions, product,
-                                      row_vector, transposed_weights, zeros_acc)
+from pallas_flash.mosaic.tiles import (WG_ROWS, accumulate, bcast_cols, bcast_rows, idiv, matmul,
+                                      positions, product, row_vector, transposed_probabilities,
+                                      transposed_score_grads, transposed_weights, zeros_acc)
 from pallas_flash.spec import AttentionSpec
 from pallas_flash.stats import LOG2E, RowStats, logit_scale
 
@@ -115,6 +116,14 @@ class MosaicBackwardConfig:
     fused_profile_dir: a folder for Mosaic GPU traces of the fused kernel (one per call; see
         common.profile_params), "" (the default) for none. A diagnostic: the trace
         costs shared memory and a few cycles per scope.
+    dkdv_paired: at head_dim 256, where the dK/dV kernel's two compute warpgroups own the same
+        64 keys and split dK/dV's columns, divide the recomputation between them instead of
+        both doing all of it: one forms S^T and P^T, the other dP^T and dS^T, and they pass
+        P^T (float32) and dS^T through shared memory (`paired_dkdv`): 4 matmul units a step
+        instead of 6. Not with a softcap (dS^T would need t^T as well, which does not fit
+        shared memory), and compiled only: jax 0.11.2's GPU interpreter stalls on it with the
+        second warpgroup never started (NOTES.md, session 9), so interpret mode runs the
+        unpaired kernel; elsewhere it changes nothing.
     """
 
     dkdv_block_q: int = 64
@@ -128,6 +137,7 @@ class MosaicBackwardConfig:
     fused_stages: int = 2
     fused_dq_slots: int = 1
     fused_profile_dir: str = ""
+    dkdv_paired: bool = False
 
     def __post_init__(self):
         for name in ("dkdv_block_q", "dq_block_kv"):
@@ -171,7 +181,16 @@ class MosaicBackwardConfig:
         kv = 2 * self.dkdv_block_kv(head_dim) * head_dim * itemsize
         stream = self.dkdv_stages * (2 * self.dkdv_block_q * head_dim * itemsize
                                      + 3 * self.dkdv_block_q * 4)
-        return kv + stream + SMEM_RESERVED
+        # The paired exchange (upper bound: also counted where a softcap turns it off): P^T in
+        # float32, dS^T in the input dtype, the float16 row scales.
+        paired = (WG_ROWS * self.dkdv_block_q * (4 + itemsize) + WG_ROWS * 4
+                  if self.dkdv_paired and self.dkdv_col_splits(head_dim) > 1 else 0)
+        return kv + stream + paired + SMEM_RESERVED
+
+    def dkdv_pairs(self, spec: AttentionSpec, head_dim: int) -> bool:
+        """Whether the dK/dV kernel runs paired (`dkdv_paired`) for this call."""
+        return (self.dkdv_paired and self.dkdv_col_splits(head_dim) > 1
+                and spec.softcap is None and not spec.interpret)
 
     def dq_smem_bytes(self, head_dim: int, itemsize: int = 2) -> int:
         rows = self.dq_block_q()
@@ -284,9 +303,15 @@ def _dkdv_body(q_ref, k_ref, v_ref, do_ref, st_ref, q_ids_ref, kv_ids_ref, cta_s
                wg_seg_ref, dk_ref, dv_ref,
                k_smem, v_smem, q_smem, do_smem, st_smem,
                k_loaded, v_loaded, q_loaded, do_loaded, st_loaded, slot_free, halves_done,
-               *stage_smem,
+               *extra_smem,
                spec: AttentionSpec, cfg: MosaicBackwardConfig, group: int, head_dim: int):
     mask = spec.mask
+    paired = cfg.dkdv_pairs(spec, head_dim)
+    if paired:
+        (pt_smem, ds_smem, fk_smem, pt_ready, pt_free, ds_ready,
+         ds_free), stage_smem = extra_smem[:7], extra_smem[7:]
+    else:
+        stage_smem = extra_smem
     dtype = q_ref.dtype
     block_q, stages = cfg.dkdv_block_q, cfg.dkdv_stages
     wgs = cfg.dkdv_compute_wgs()
@@ -328,6 +353,53 @@ def _dkdv_body(q_ref, k_ref, v_ref, do_ref, st_ref, q_ids_ref, kv_ids_ref, cta_s
         plgpu.barrier_wait(k_loaded.at[row_tile])
         plgpu.barrier_wait(v_loaded.at[row_tile])
 
+        def paired_step(dk, dv, fk, slot, q_blk, do_blk, st, shape, wait_q, visible_fn):
+            """A step of the paired exchange (`MosaicBackwardConfig.dkdv_paired`). Warpgroup 0
+            forms P^T and hands it over; warpgroup 1 forms dP^T and, with that P^T, dS^T,
+            which it hands back. Each then adds its columns of dV and dK. One buffer each way:
+            a writer waits until its partner has taken the previous one."""
+            wait_do = lambda: plgpu.barrier_wait(do_loaded.at[slot])
+            if col == 0:
+                wait_q()
+                p_t, _, _ = transposed_probabilities(spec, c, my_k, q_blk, st, shape,
+                                                     visible_fn)
+                plgpu.barrier_wait(pt_free)
+                pt_smem[...] = p_t
+                plgpu.barrier_arrive(pt_ready)
+                wait_do()
+                dv = product(dv, p_t.astype(dtype), do_blk.at[col_slice],
+                             interpret=spec.interpret, stage_ref=stage)
+                plgpu.barrier_wait(ds_ready)
+                if jnp.dtype(dtype) == jnp.float16:
+                    fk_new = plgpu.load(fk_smem, layout=plgpu.Layout.WGMMA.reduce(1))
+                    dk = dk * bcast_rows(fk / fk_new, dk.shape)
+                    fk = fk_new
+                dk = accumulate(dk, ds_smem, q_blk.at[col_slice], interpret=spec.interpret)
+                plgpu.barrier_arrive(ds_free)
+                return dk, dv, fk
+            wait_q()
+            wait_do()
+            dp_t = matmul(my_v, do_blk.T, shape)
+            plgpu.barrier_wait(pt_ready)
+            p_t = plgpu.load(pt_smem, layout=plgpu.Layout.WGMMA)
+            plgpu.barrier_arrive(pt_free)
+            ds_t = transposed_score_grads(p_t, dp_t, st, None,
+                                          None if visible_fn is None else visible_fn())
+            ds_in, rescale, fk = _cast_rows(ds_t, fk, dtype)
+            plgpu.barrier_wait(ds_free)
+            ds_smem[...] = ds_in
+            if rescale is not None:
+                fk_smem[...] = fk
+            plgpu.commit_smem()  # dS^T is read by the partner's wgmma (the async proxy)
+            plgpu.barrier_arrive(ds_ready)
+            dv = product(dv, p_t.astype(dtype), do_blk.at[col_slice],
+                         interpret=spec.interpret, stage_ref=stage)
+            if rescale is not None:
+                dk = dk * bcast_rows(rescale, dk.shape)
+            dk = product(dk, ds_in, q_blk.at[col_slice], interpret=spec.interpret,
+                         stage_ref=stage)
+            return dk, dv, fk
+
         def slot_of(h, i):
             return lax.rem(h * n_cta + (i - cta_lo), jnp.int32(stages))
 
@@ -352,6 +424,11 @@ def _dkdv_body(q_ref, k_ref, v_ref, do_ref, st_ref, q_ids_ref, kv_ids_ref, cta_s
                 # already gives P = 0.
                 return visible
 
+            if paired:
+                dk, dv, fk = paired_step(dk, dv, fk, slot, q_blk, do_blk, st, shape, wait_q,
+                                         visible_fn if masked else None)
+                plgpu.barrier_arrive(slot_free.at[slot])
+                return dk, dv, fk
             p_t, ds_t = transposed_weights(
                 spec, c, my_k, my_v, q_blk, do_blk, st, shape, wait_q=wait_q,
                 wait_do=lambda: plgpu.barrier_wait(do_loaded.at[slot]),
@@ -385,7 +462,12 @@ def _dkdv_body(q_ref, k_ref, v_ref, do_ref, st_ref, q_ids_ref, kv_ids_ref, cta_s
             return carry
 
         carry = (zeros_acc(WG_ROWS, cols), zeros_acc(WG_ROWS, cols), row_vector(1.0, WG_ROWS))
+        if paired:
+            # Each side starts with its buffer free: one arrival ahead, observed after the loop.
+            plgpu.barrier_arrive(ds_free if col == 0 else pt_free)
         dk, dv, fk = lax.fori_loop(0, group, head_loop, carry)
+        if paired:
+            plgpu.barrier_wait(pt_free if col == 0 else ds_free)
         dk = dk * bcast_rows(fk * spec.scale, dk.shape)
 
         # K and V are no longer read once the loops end: their buffers carry dK and dV out.
@@ -667,6 +749,12 @@ def backward(spec: AttentionSpec, q, k, v, out, stats: RowStats, do, dlse, q_ids
         plgpu.Barrier(num_arrivals=wgs, num_barriers=st),
         plgpu.Barrier(num_arrivals=wgs),
     ]
+    if cfg.dkdv_pairs(spec, head_dim):
+        scratch += [plgpu.SMEM((WG_ROWS, bq), jnp.float32),  # P^T
+                    plgpu.SMEM((WG_ROWS, bq), dtype),        # dS^T
+                    plgpu.SMEM((WG_ROWS,), jnp.float32),     # dS^T's float16 row scales
+                    plgpu.Barrier(), plgpu.Barrier(),        # P^T written, taken
+                    plgpu.Barrier(), plgpu.Barrier()]        # dS^T written, taken
     if spec.interpret:
         scratch.append(plgpu.SMEM((wgs, WG_ROWS, bq), dtype))
     args = [q, k, v, do, rows]

@@ -52,6 +52,15 @@ def product(acc, a, b_ref, *, interpret: bool, stage_ref=None):
     return acc + pl.run_scoped(fresh, plgpu.ACC(acc.shape, jnp.float32))
 
 
+def accumulate(acc, a_ref, b_ref, *, interpret: bool):
+    """acc + a_ref @ b_ref by wgmma, both operands in shared memory (in place when compiled)."""
+    if not interpret:
+        def run(acc_ref):
+            plgpu.wgmma(acc_ref, a_ref, b_ref)
+        return pl.run_state(run)(plgpu.ACC.init(acc))
+    return acc + matmul(a_ref, b_ref, acc.shape)
+
+
 def matmul(a_ref, b_ref, shape):
     """a_ref @ b_ref, both in shared memory, into a fresh float32 accumulator."""
     def run(acc_ref):
@@ -88,6 +97,13 @@ def transposed_weights(spec, c, k_tile, v_tile, q_blk, do_blk, st, shape, *, wai
     -16%, head_dim 256 -4% (NOTES.md run 33).
     """
     wait_q()
+    p_t, t_t, visible = transposed_probabilities(spec, c, k_tile, q_blk, st, shape, visible_fn)
+    wait_do()
+    return p_t, transposed_score_grads(p_t, matmul(v_tile, do_blk.T, shape), st, t_t, visible)
+
+
+def transposed_probabilities(spec, c, k_tile, q_blk, st, shape, visible_fn=None):
+    """(P^T, t^T or None, visibility or None): the first half of `transposed_weights`."""
     u_t, t_t = logit_units(spec, matmul(k_tile, q_blk.T, shape))
     m = plgpu.load(st.at[0], layout=plgpu.Layout.WGMMA.reduce(0))
     r = plgpu.load(st.at[1], layout=plgpu.Layout.WGMMA.reduce(0))
@@ -95,12 +111,16 @@ def transposed_weights(spec, c, k_tile, v_tile, q_blk, do_blk, st, shape, *, wai
     visible = None if visible_fn is None else visible_fn()
     if visible is not None:
         p_t = jnp.where(visible, p_t, 0.0)
-    wait_do()
-    dp_t = matmul(v_tile, do_blk.T, shape)
+    return p_t, t_t, visible
+
+
+def transposed_score_grads(p_t, dp_t, st, t_t=None, visible=None):
+    """dS^T = P^T (dP^T - D) (times 1 - t^2 with a softcap), zeroed outside `visible`: the
+    second half of `transposed_weights`."""
     delta = plgpu.load(st.at[2], layout=plgpu.Layout.WGMMA.reduce(0))
-    ds_t = p_t * (dp_t - bcast_cols(delta, shape))
+    ds_t = p_t * (dp_t - bcast_cols(delta, dp_t.shape))
     if t_t is not None:
         ds_t = ds_t * (1.0 - t_t * t_t)  # softcap: d(c tanh(x / c)) = 1 - tanh^2
     if visible is not None:
         ds_t = jnp.where(visible, ds_t, 0.0)
-    return p_t, ds_t
+    return ds_t
