@@ -177,20 +177,19 @@ def test_staged_kernels_carry_their_names():
     assert mosaic.DQ_KERNEL_NAME == "pallas_flash_mosaic_bwd_dq"
 
 
-PAIRED = Config(dkdv_block_q=64, dq_block_kv=64, dq_compute_wgs=1, dkdv_paired=True,
-                dq_paired=True)
+PAIRED = Config(dkdv_block_q=64, dq_block_kv=64, dq_compute_wgs=1, dkdv_paired=True)
 
 
-@pytest.mark.skipif(not IS_HOPPER, reason="the paired kernels run compiled only "
-                    "(MosaicBackwardConfig.dkdv_paired, dq_paired)")
+@pytest.mark.skipif(not IS_HOPPER, reason="the paired dK/dV kernel runs compiled only "
+                    "(MosaicBackwardConfig.dkdv_paired)")
 @pytest.mark.parametrize("b,sq,skv,hq,hkv,dtype,options", [
     (2, 384, 384, 4, 2, jnp.bfloat16, dict(causal=True)),
     (1, 200, 264, 2, 1, jnp.float16, {}),
     (1, 256, 256, 2, 2, jnp.float16, dict(causal=True, window=(70, 0))),
     (2, 200, 180, 2, 1, jnp.bfloat16, dict(window=(50, 20), segments=(3, 7, 20))),
 ], ids=["causal-gqa-bf16", "partial-f16", "window-f16", "segments-window-bf16"])
-def test_paired_matches_reference_and_triton(b, sq, skv, hq, hkv, dtype, options):
-    """Head_dim 256 with both kernels' warpgroups paired (one forms P, the other dS)."""
+def test_paired_dkdv_matches_reference_and_triton(b, sq, skv, hq, hkv, dtype, options):
+    """Head_dim 256 with the dK/dV warpgroups paired (one forms P^T, the other dS^T)."""
     options = dict(options)
     d = 256
     q, k, v, do = random_inputs(jax.random.PRNGKey(71), b, sq, skv, hq, hkv, d, dtype)
@@ -203,7 +202,7 @@ def test_paired_matches_reference_and_triton(b, sq, skv, hq, hkv, dtype, options
         q_ids, kv_ids = fold_lengths(**seg_kwargs, batch=b, seq_q=sq, seq_kv=skv)
     spec = mosaic_spec(sq, skv, d, dtype, causal=options.get("causal", False),
                        window=options.get("window"), has_segments=segments is not None)
-    assert PAIRED.dkdv_pairs(spec, d) and PAIRED.dq_pairs(spec, d)
+    assert PAIRED.dkdv_pairs(spec, d)
     out, stats = triton_forward.forward(spec, q, k, v, q_ids, kv_ids)
     grads = mosaic.backward(spec, q, k, v, out, stats, do, dlse, q_ids, kv_ids, config=PAIRED)
     tri = triton_backward.backward(spec, q, k, v, out, stats, do, dlse, q_ids, kv_ids)
@@ -215,11 +214,11 @@ def test_paired_matches_reference_and_triton(b, sq, skv, hq, hkv, dtype, options
     (jnp.bfloat16, dict(causal=True)),
     (jnp.float16, dict(window=(100, 50), has_segments=True)),
 ])
-def test_paired_lowers_for_sm90(dtype, options):
+def test_paired_dkdv_lowers_for_sm90(dtype, options):
     seq, d = 1001, 256
     args = backward_args(2, seq, seq, 4, 2, d, dtype)
     spec = mosaic_spec(seq, seq, d, dtype, interpret=False, **options)
-    assert PAIRED.dkdv_pairs(spec, d) and PAIRED.dq_pairs(spec, d)
+    assert PAIRED.dkdv_pairs(spec, d)
     if spec.has_segments:
         ids = jnp.zeros((2, seq), jnp.int32)
         args = args + (ids, ids)
@@ -227,9 +226,9 @@ def test_paired_lowers_for_sm90(dtype, options):
     text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
     # Not with a softcap, and not in the interpreter: the unpaired kernel serves those.
-    for other in (mosaic_spec(seq, seq, d, dtype, interpret=False, softcap=30.0),
-                  mosaic_spec(seq, seq, d, dtype, interpret=True)):
-        assert not PAIRED.dkdv_pairs(other, d) and not PAIRED.dq_pairs(other, d)
+    assert not PAIRED.dkdv_pairs(mosaic_spec(seq, seq, d, dtype, interpret=False,
+                                             softcap=30.0), d)
+    assert not PAIRED.dkdv_pairs(mosaic_spec(seq, seq, d, dtype, interpret=True), d)
 
 
 @pytest.mark.parametrize("d,dtype,causal,seq,options", [

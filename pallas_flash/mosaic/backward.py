@@ -123,11 +123,7 @@ class MosaicBackwardConfig:
         instead of 6. Not with a softcap (dS^T would need t^T as well, which does not fit
         shared memory), and compiled only: jax 0.11.2's GPU interpreter stalls on it with the
         second warpgroup never started (NOTES.md, session 9), so interpret mode runs the
-        unpaired kernel; elsewhere it changes nothing.
-    dq_paired: the same division in the dQ kernel at head_dim 256: two compute warpgroups own
-        the same 64 q rows (whatever dq_compute_wgs says), one forms S and P, the other dP and
-        dS, and each adds half of dQ's columns (the unpaired kernel fits one warpgroup of 64
-        rows in shared memory, with nothing to overlap its softmax). Same conditions.
+        unpaired kernel; elsewhere it changes nothing. The head_dim 256 default.
     """
 
     dkdv_block_q: int = 64
@@ -142,7 +138,6 @@ class MosaicBackwardConfig:
     fused_dq_slots: int = 1
     fused_profile_dir: str = ""
     dkdv_paired: bool = False
-    dq_paired: bool = False
 
     def __post_init__(self):
         for name in ("dkdv_block_q", "dq_block_kv"):
@@ -176,13 +171,9 @@ class MosaicBackwardConfig:
         """Key rows per dK/dV CTA."""
         return WG_ROWS * (self.dkdv_compute_wgs() // self.dkdv_col_splits(head_dim))
 
-    def dq_block_q(self, paired: bool = False) -> int:
+    def dq_block_q(self) -> int:
         """Query rows per dQ CTA."""
-        return WG_ROWS if paired else WG_ROWS * self.dq_compute_wgs
-
-    def dq_wgs(self, paired: bool = False) -> int:
-        """Compute warpgroups per dQ CTA."""
-        return 2 if paired else self.dq_compute_wgs
+        return WG_ROWS * self.dq_compute_wgs
 
     # ---- shared memory (compiled path; interpret mode adds staging buffers) -----------------
 
@@ -196,23 +187,16 @@ class MosaicBackwardConfig:
                   if self.dkdv_paired and self.dkdv_col_splits(head_dim) > 1 else 0)
         return kv + stream + paired + SMEM_RESERVED
 
-    def dq_pairs(self, spec: AttentionSpec, head_dim: int) -> bool:
-        """Whether the dQ kernel runs paired (`dq_paired`) for this call."""
-        return (self.dq_paired and head_dim > 128 and spec.softcap is None
-                and not spec.interpret)
-
     def dkdv_pairs(self, spec: AttentionSpec, head_dim: int) -> bool:
         """Whether the dK/dV kernel runs paired (`dkdv_paired`) for this call."""
         return (self.dkdv_paired and self.dkdv_col_splits(head_dim) > 1
                 and spec.softcap is None and not spec.interpret)
 
     def dq_smem_bytes(self, head_dim: int, itemsize: int = 2) -> int:
-        paired = self.dq_paired and head_dim > 128   # an upper bound, as for dK/dV
-        rows = self.dq_block_q(paired)
+        rows = self.dq_block_q()
         own = 2 * rows * head_dim * itemsize + 3 * rows * 4
         stream = self.dq_stages * 2 * self.dq_block_kv * head_dim * itemsize
-        exchange = rows * self.dq_block_kv * (4 + itemsize) + rows * 4 if paired else 0
-        return own + stream + exchange + SMEM_RESERVED
+        return own + stream + SMEM_RESERVED
 
 
 def default_backward_config(head_dim: int) -> MosaicBackwardConfig:
@@ -223,10 +207,11 @@ def default_backward_config(head_dim: int) -> MosaicBackwardConfig:
       head_dim 128: block_q 64, block_kv 64, 3 stages, 2 dQ warpgroups  432 / 427
                     (2 stages: 427 / 426; dK/dV block_q 128: 306 / 317)
       head_dim 256: block_q 64, block_kv 64, 2 stages, 1 dQ warpgroup  335 / 317 (two dQ
-                    warpgroups would need 256 KiB of shared memory); both kernels paired
-                    (`dkdv_paired`, `dq_paired`; compiled, no softcap): see NOTES.md session 9
-                    (dK/dV paired alone, run 41: 329.2 -> 381.0 / 315.9 -> 356.2, cuDNN 363.1
-                    / 395.5)
+                    warpgroups would need 256 KiB of shared memory); with the dK/dV kernel
+                    paired (`dkdv_paired`; compiled, no softcap), NOTES.md runs 41-42:
+                    329.2 -> 381.0 and 327.4 -> 380.6 / 315.9 -> 356.2 and 318.1 -> 352.8
+                    (cuDNN 363.1, 358.0 / 395.5, 393.0). The same pairing in the dQ kernel (two
+                    warpgroups on one 64-row q tile) ran 376.1 / 352.8 in run 42: not kept.
     The fused kernel (fused_backward.py: one kernel, dQ summed across key tiles in a fixed
     order) runs where it serves (bfloat16, no segment ids); the two-kernel tiles above serve
     the rest (float16, segment ids, head_dim 256):
@@ -244,7 +229,7 @@ def default_backward_config(head_dim: int) -> MosaicBackwardConfig:
         return MosaicBackwardConfig(dkdv_block_q=64, dq_block_kv=64, dkdv_stages=3, dq_stages=3,
                                     fused=True)
     return MosaicBackwardConfig(dkdv_block_q=64, dq_block_kv=64, dq_compute_wgs=1,
-                                dkdv_paired=True, dq_paired=True)
+                                dkdv_paired=True)
 
 
 def unsupported_reason(spec: AttentionSpec, q, k, v,
@@ -556,21 +541,13 @@ def _dkdv_body(q_ref, k_ref, v_ref, do_ref, st_ref, q_ids_ref, kv_ids_ref, cta_s
 def _dq_body(q_ref, k_ref, v_ref, do_ref, st_ref, q_ids_ref, kv_ids_ref, cta_seg_ref,
              wg_seg_ref, dq_ref,
              q_smem, do_smem, st_smem, k_smem, v_smem,
-             own_loaded, k_loaded, v_loaded, k_free, v_free, *extra_smem,
+             own_loaded, k_loaded, v_loaded, k_free, v_free, *stage_smem,
              spec: AttentionSpec, cfg: MosaicBackwardConfig, group: int, n_tiles: int,
              head_dim: int):
     mask = spec.mask
     dtype = q_ref.dtype
-    block_kv, stages = cfg.dq_block_kv, cfg.dq_stages
-    paired = cfg.dq_pairs(spec, head_dim)
-    wgs = cfg.dq_wgs(paired)
-    row_tiles = 1 if paired else wgs     # 64-row q tiles per CTA
-    cta_rows = row_tiles * WG_ROWS
-    if paired:
-        (pt_smem, ds_smem, fq_smem, pt_ready, pt_free, ds_ready, ds_free,
-         halves_done), stage_smem = extra_smem[:8], extra_smem[8:]
-    else:
-        stage_smem = extra_smem
+    block_kv, stages, wgs = cfg.dq_block_kv, cfg.dq_stages, cfg.dq_compute_wgs
+    cta_rows = wgs * WG_ROWS
     c = logit_scale(spec) * LOG2E
     # Keys past seq_kv (zeros from the TMA) exist only in a partial last key block.
     kv_len = mask.seq_kv if mask.seq_kv % block_kv else None
@@ -582,31 +559,25 @@ def _dq_body(q_ref, k_ref, v_ref, do_ref, st_ref, q_ids_ref, kv_ids_ref, cta_seg
     def slot_of(j):
         return lax.rem(j - cta_lo, jnp.int32(stages))
 
-    def compute(role):
-        """role None: the warpgroup owns its 64 q rows. Paired (`dq_paired`), both own the
-        same rows: role 0 forms P and hands it over, role 1 forms dP and dS and hands dS back,
-        and each adds its half of dQ's columns."""
+    @pl.when(wg < wgs)
+    def _compute():
         plgpu.set_max_registers(cfg.compute_registers, action="increase")
-        own = wg if role is None else 0
-        q0 = cta_start + own * WG_ROWS
-        my_q, my_do, my_st = q_smem.at[own], do_smem.at[own], st_smem.at[own]
+        q0 = cta_start + wg * WG_ROWS
+        my_q, my_do, my_st = q_smem.at[wg], do_smem.at[wg], st_smem.at[wg]
         # Rows past the end of q / dO arrive as zeros (their stats, padded, give P = 0), and
         # the TMA store of dQ drops them.
         rows = (batch, pl.ds(q0, WG_ROWS), head)
-        if role != 1:
-            plgpu.copy_gmem_to_smem(q_ref.at[rows], my_q, own_loaded.at[own])
-            plgpu.copy_gmem_to_smem(do_ref.at[rows], my_do, own_loaded.at[row_tiles + own])
-            plgpu.copy_gmem_to_smem(st_ref.at[batch, head, :, pl.ds(q0, WG_ROWS)], my_st,
-                                    own_loaded.at[2 * row_tiles + own])
+        plgpu.copy_gmem_to_smem(q_ref.at[rows], my_q, own_loaded.at[wg])
+        plgpu.copy_gmem_to_smem(do_ref.at[rows], my_do, own_loaded.at[wgs + wg])
+        plgpu.copy_gmem_to_smem(st_ref.at[batch, head, :, pl.ds(q0, WG_ROWS)], my_st,
+                                own_loaded.at[2 * wgs + wg])
         stage = stage_smem[0].at[wg] if spec.interpret else None
-        cols = head_dim if role is None else head_dim // 2
-        k_cols = (slice(None),) if role is None else (slice(None), pl.ds(role * cols, cols))
         shape = (WG_ROWS, block_kv)
 
         bounds = mask.kv_blocks(q0, WG_ROWS, block_kv, mask.seq_kv)
         q_ids = None
         if wg_seg_ref is not None:
-            bounds = narrowed(bounds, wg_seg_ref, batch, tile * row_tiles + own)
+            bounds = narrowed(bounds, wg_seg_ref, batch, tile * wgs + wg)
             q_ids = plgpu.load(q_ids_ref.at[batch, pl.ds(q0, WG_ROWS)],
                                layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
         # A warpgroup wholly past seq_q (the second one of a short last tile) computes nothing.
@@ -614,83 +585,27 @@ def _dq_body(q_ref, k_ref, v_ref, do_ref, st_ref, q_ids_ref, kv_ids_ref, cta_seg
         lo, full_lo, full_hi, hi = clamp_range(bounds, cta_lo, cta_hi)
 
         for j in range(3):
-            plgpu.barrier_wait(own_loaded.at[j * row_tiles + own])
+            plgpu.barrier_wait(own_loaded.at[j * wgs + wg])
         m = plgpu.load(my_st.at[0], layout=plgpu.Layout.WGMMA.reduce(1))
         r = plgpu.load(my_st.at[1], layout=plgpu.Layout.WGMMA.reduce(1))
         delta = plgpu.load(my_st.at[2], layout=plgpu.Layout.WGMMA.reduce(1))
 
-        def visibility(s, shape):
-            q_pos, k_pos = positions(shape, q0, s * block_kv)
-            visible = mask.visible(q_pos, k_pos, kv_len)
-            if q_ids is not None:
-                kv_ids = plgpu.load(kv_ids_ref.at[batch, pl.ds(s * block_kv, block_kv)],
-                                    layout=plgpu.Layout.WGMMA.reduce(0), optimized=False)
-                visible = _and_mask(visible, _same_segment(q_ids, kv_ids, shape))
-            return visible
-
-        def paired_step(s, carry, masked: bool):
-            """A step of the paired dQ kernel; one buffer each way, as in the dK/dV kernel's
-            `paired_step`. Role 0 never reads V: it releases the V slot at once."""
-            dq, fq = carry
-            slot = slot_of(s)
-            shape = (WG_ROWS, block_kv)
-            k_half = k_smem.at[slot].at[k_cols]
-            if role == 0:
-                plgpu.barrier_wait(k_loaded.at[slot])
-                u, _ = logit_units(spec, matmul(my_q, k_smem.at[slot].T, shape))
-                p = jnp.exp2((u - bcast_rows(m, shape)) * c - bcast_rows(r, shape))
-                visible = visibility(s, shape) if masked else None
-                if visible is not None:
-                    p = jnp.where(visible, p, 0.0)
-                plgpu.barrier_arrive(v_free.at[slot])
-                plgpu.barrier_wait(pt_free)
-                pt_smem[...] = p
-                plgpu.barrier_arrive(pt_ready)
-                plgpu.barrier_wait(ds_ready)
-                if jnp.dtype(dtype) == jnp.float16:
-                    fq_new = plgpu.load(fq_smem, layout=plgpu.Layout.WGMMA.reduce(1))
-                    dq = dq * bcast_rows(fq / fq_new, dq.shape)
-                    fq = fq_new
-                dq = accumulate(dq, ds_smem, k_half, interpret=spec.interpret)
-                plgpu.barrier_arrive(ds_free)
-                plgpu.barrier_arrive(k_free.at[slot])
-                return dq, fq
-            plgpu.barrier_wait(v_loaded.at[slot])
-            dp = matmul(my_do, v_smem.at[slot].T, shape)
-            plgpu.barrier_arrive(v_free.at[slot])
-            plgpu.barrier_wait(pt_ready)
-            p = plgpu.load(pt_smem, layout=plgpu.Layout.WGMMA)
-            plgpu.barrier_arrive(pt_free)
-            ds = p * (dp - bcast_rows(delta, shape))
-            if masked:
-                visible = visibility(s, shape)
-                if visible is not None:
-                    ds = jnp.where(visible, ds, 0.0)
-            ds_in, rescale, fq = _cast_rows(ds, fq, dtype)
-            plgpu.barrier_wait(ds_free)
-            ds_smem[...] = ds_in
-            if rescale is not None:
-                fq_smem[...] = fq
-            plgpu.commit_smem()  # dS is read by the partner's wgmma (the async proxy)
-            plgpu.barrier_arrive(ds_ready)
-            if rescale is not None:
-                dq = dq * bcast_rows(rescale, dq.shape)
-            plgpu.barrier_wait(k_loaded.at[slot])
-            dq = product(dq, ds_in, k_half, interpret=spec.interpret, stage_ref=stage)
-            plgpu.barrier_arrive(k_free.at[slot])
-            return dq, fq
-
         def step(s, carry, masked: bool):
-            if role is not None:
-                return paired_step(s, carry, masked)
             dq, fq = carry
             slot = slot_of(s)
             plgpu.barrier_wait(k_loaded.at[slot])
             u, t = logit_units(spec, matmul(my_q, k_smem.at[slot].T, shape))
             p = jnp.exp2((u - bcast_rows(m, shape)) * c - bcast_rows(r, shape))
-            visible = visibility(s, shape) if masked else None
-            if visible is not None:
-                p = jnp.where(visible, p, 0.0)
+            visible = None
+            if masked:
+                q_pos, k_pos = positions(shape, q0, s * block_kv)
+                visible = mask.visible(q_pos, k_pos, kv_len)
+                if q_ids is not None:
+                    kv_ids = plgpu.load(kv_ids_ref.at[batch, pl.ds(s * block_kv, block_kv)],
+                                        layout=plgpu.Layout.WGMMA.reduce(0), optimized=False)
+                    visible = _and_mask(visible, _same_segment(q_ids, kv_ids, shape))
+                if visible is not None:
+                    p = jnp.where(visible, p, 0.0)
             plgpu.barrier_wait(v_loaded.at[slot])
             dp = matmul(my_do, v_smem.at[slot].T, shape)
             plgpu.barrier_arrive(v_free.at[slot])
@@ -709,15 +624,11 @@ def _dq_body(q_ref, k_ref, v_ref, do_ref, st_ref, q_ids_ref, kv_ids_ref, cta_seg
         def drain(s, _):
             slot = slot_of(s)
             plgpu.barrier_wait(k_loaded.at[slot])
-            if role != 0:  # paired role 0 never waits for V (a waiter must see every phase)
-                plgpu.barrier_wait(v_loaded.at[slot])
+            plgpu.barrier_wait(v_loaded.at[slot])
             plgpu.barrier_arrive(v_free.at[slot])
             plgpu.barrier_arrive(k_free.at[slot])
 
-        carry = (zeros_acc(WG_ROWS, cols), row_vector(1.0, WG_ROWS))
-        if role is not None:
-            # Each side starts with its buffer free: one arrival ahead, observed after the loop.
-            plgpu.barrier_arrive(ds_free if role == 0 else pt_free)
+        carry = (zeros_acc(WG_ROWS, head_dim), row_vector(1.0, WG_ROWS))
         lax.fori_loop(cta_lo, lo, drain, None)
         carry = lax.fori_loop(lo, full_lo, functools.partial(step, masked=True), carry)
         carry = lax.fori_loop(full_lo, full_hi, functools.partial(step, masked=False), carry)
@@ -725,34 +636,10 @@ def _dq_body(q_ref, k_ref, v_ref, do_ref, st_ref, q_ids_ref, kv_ids_ref, cta_seg
         lax.fori_loop(hi, cta_hi, drain, None)
         dq, fq = carry
         dq = dq * bcast_rows(fq * spec.scale, dq.shape)
-        if role is None:
-            my_q[...] = dq.astype(dtype)  # Q is no longer read: its buffer carries dQ out
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(my_q, dq_ref.at[rows])
-            plgpu.wait_smem_to_gmem(0)
-            return
-        plgpu.barrier_wait(pt_free if role == 0 else ds_free)
-
-        # Column halves: once role 0 no longer reads Q, each writes its half into Q's buffer;
-        # once both have, role 0 stores the whole rows.
-        def both_arrived():
-            plgpu.barrier_arrive(halves_done)
-            plgpu.barrier_wait(halves_done)
-
-        both_arrived()
-        my_q.at[k_cols][...] = dq.astype(dtype)
+        my_q[...] = dq.astype(dtype)  # Q is no longer read: its buffer carries dQ out
         plgpu.commit_smem()
-        both_arrived()
-
-        if role == 0:
-            plgpu.copy_smem_to_gmem(my_q, dq_ref.at[rows])
-            plgpu.wait_smem_to_gmem(0)
-
-    if paired:
-        for role in range(2):  # static roles: static column halves
-            pl.when(wg == role)(functools.partial(compute, role))
-    else:
-        pl.when(wg < wgs)(functools.partial(compute, None))
+        plgpu.copy_smem_to_gmem(my_q, dq_ref.at[rows])
+        plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == wgs)
     def _copy():
@@ -830,8 +717,7 @@ def backward(spec: AttentionSpec, q, k, v, out, stats: RowStats, do, dlse, q_ids
     delta = delta - dlse.astype(jnp.float32)
     r = stats.r.astype(jnp.float32)
     r = jnp.where(r == -jnp.inf, jnp.inf, r)
-    dq_paired = cfg.dq_pairs(spec, head_dim)
-    q_mult = _lcm(cfg.dkdv_block_q, cfg.dq_block_q(dq_paired))
+    q_mult = _lcm(cfg.dkdv_block_q, cfg.dq_block_q())
     rows = jnp.stack([pad_seq(stats.m.astype(jnp.float32), q_mult, axis=2),
                       pad_seq(r, q_mult, axis=2, value=jnp.inf),
                       pad_seq(delta, q_mult, axis=2)], axis=2)
@@ -898,36 +784,28 @@ def backward(spec: AttentionSpec, q, k, v, out, stats: RowStats, do, dlse, q_ids
     )(*args)
 
     # ---- dQ ----------------------------------------------------------------------------------
-    wgs = cfg.dq_wgs(dq_paired)
-    row_tiles = cfg.dq_block_q(dq_paired) // WG_ROWS
+    wgs = cfg.dq_compute_wgs
     bkv, st = cfg.dq_block_kv, cfg.dq_stages
     scratch = [
-        plgpu.SMEM((row_tiles, WG_ROWS, head_dim), dtype),
-        plgpu.SMEM((row_tiles, WG_ROWS, head_dim), dtype),
-        plgpu.SMEM((row_tiles, 3, WG_ROWS), jnp.float32),
+        plgpu.SMEM((wgs, WG_ROWS, head_dim), dtype),
+        plgpu.SMEM((wgs, WG_ROWS, head_dim), dtype),
+        plgpu.SMEM((wgs, 3, WG_ROWS), jnp.float32),
         plgpu.SMEM((st, bkv, head_dim), dtype),
         plgpu.SMEM((st, bkv, head_dim), dtype),
-        plgpu.Barrier(num_barriers=3 * row_tiles),
+        plgpu.Barrier(num_barriers=3 * wgs),
         plgpu.Barrier(num_barriers=st),
         plgpu.Barrier(num_barriers=st),
         plgpu.Barrier(num_arrivals=wgs, num_barriers=st),
         plgpu.Barrier(num_arrivals=wgs, num_barriers=st),
     ]
-    if dq_paired:
-        scratch += [plgpu.SMEM((WG_ROWS, bkv), jnp.float32),  # P
-                    plgpu.SMEM((WG_ROWS, bkv), dtype),        # dS
-                    plgpu.SMEM((WG_ROWS,), jnp.float32),      # dS's float16 row scales
-                    plgpu.Barrier(), plgpu.Barrier(),         # P written, taken
-                    plgpu.Barrier(), plgpu.Barrier(),         # dS written, taken
-                    plgpu.Barrier(num_arrivals=2)]            # both done with Q's buffer
     if spec.interpret:
         scratch.append(plgpu.SMEM((wgs, WG_ROWS, bkv), dtype))
-    n_tiles = pl.cdiv(seq_q, cfg.dq_block_q(dq_paired))
+    n_tiles = pl.cdiv(seq_q, cfg.dq_block_q())
     args = [q, k, v, do, rows]
     if spec.has_segments:
         q_ids_p, kv_ids_p, cta, wg = _segment_operands(
-            q_ids, kv_ids, n_tiles * cfg.dq_block_q(dq_paired), pl.cdiv(seq_kv, bkv) * bkv,
-            cta_rows=cfg.dq_block_q(dq_paired), n_ctas=n_tiles, block_col=bkv, pad_row_id=PAD_QUERY_ID,
+            q_ids, kv_ids, n_tiles * cfg.dq_block_q(), pl.cdiv(seq_kv, bkv) * bkv,
+            cta_rows=cfg.dq_block_q(), n_ctas=n_tiles, block_col=bkv, pad_row_id=PAD_QUERY_ID,
             pad_col_id=PAD_KEY_ID)
         args += [q_ids_p, kv_ids_p, cta, wg]
     dq = plgpu.kernel(
