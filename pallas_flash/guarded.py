@@ -68,9 +68,17 @@ def _checked(check, fast, safe):
 
 
 def forward(spec: AttentionSpec, q, k, v, q_ids=None, kv_ids=None):
-    """(O, RowStats): the Mosaic forward when V is finite, else the Triton forward."""
+    """(O, RowStats): the Mosaic forward when V is finite, else the Triton forward.
+
+    The Mosaic forward runs with its unclustered default (`default_forward_config` without the
+    spec): inside this lax.cond a launch in clusters of two cost ~0.17 ms a call on the H200,
+    more than clusters gain at 8k (NOTES.md runs 46-47: 2x8192x16x128 non-causal 1.95 ms here
+    against 1.78 ms unguarded; 1.85 ms unclustered here in session 8). Unguarded
+    (backend="mosaic") calls keep the clustered default.
+    """
+    config = mosaic_forward.default_forward_config(q.shape[-1])
     return _checked(lambda q, k, v, *_: all_finite(v),
-                    lambda *a: mosaic_forward.forward(spec, *a),
+                    lambda *a: mosaic_forward.forward(spec, *a, config=config),
                     lambda *a: triton_forward.forward(spec, *a))(q, k, v, q_ids, kv_ids)
 
 

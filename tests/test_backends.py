@@ -18,6 +18,7 @@ from jax import lax
 
 import pallas_flash as pf
 from pallas_flash import attention, guarded
+from pallas_flash.mosaic import forward as mosaic_forward
 from pallas_flash.triton import backward as triton_backward
 from pallas_flash.triton import forward as triton_forward
 from pallas_flash.masking import make_mask_spec
@@ -116,6 +117,25 @@ def test_auto_is_told_whether_the_caller_chose_tiles(monkeypatch):
     assert seen == [False, True]
 
 
+def test_guarded_forward_runs_unclustered(monkeypatch):
+    # Inside the guard's lax.cond a clustered launch costs more than it gains (guarded.forward):
+    # the guarded forward asks for the unclustered config where the plain default clusters.
+    seen = []
+
+    def spy(spec, q, k, v, q_ids=None, kv_ids=None, config=None):
+        seen.append((mosaic_forward.default_forward_config(q.shape[-1], spec).cluster,
+                     config.cluster))
+        return triton_forward.forward(spec, q, k, v, q_ids, kv_ids)
+
+    monkeypatch.setattr(guarded, "mosaic_forward",
+                        types.SimpleNamespace(forward=spy, default_forward_config=
+                                              mosaic_forward.default_forward_config))
+    q, k, v, _ = random_inputs(jax.random.PRNGKey(93), 1, 128, 128, 2, 2, 128, jnp.bfloat16)
+    spec = _spec(128, 128, 128, jnp.bfloat16, interpret=False)
+    jax.eval_shape(lambda q, k, v: guarded.forward(spec, q, k, v), q, k, v)
+    assert seen == [(2, 1)], seen
+
+
 def _leaky_stand_in():
     """Stands in for the Mosaic kernels on machines without an sm_90 GPU: the Triton result plus
     `mark` (1 lets a test tell which branch ran; read when traced), and NaN everywhere once any
@@ -123,7 +143,8 @@ def _leaky_stand_in():
     def poison(*xs):
         return sum(0.0 * jnp.sum(x.astype(jnp.float32)) for x in xs)
 
-    def forward(spec, q, k, v, q_ids=None, kv_ids=None):
+    def forward(spec, q, k, v, q_ids=None, kv_ids=None, config=None):
+        del config
         out, row_stats = triton_forward.forward(spec, q, k, v, q_ids, kv_ids)
         return (out + stand_in.mark + poison(v)).astype(out.dtype), row_stats
 
@@ -131,7 +152,9 @@ def _leaky_stand_in():
         grads = triton_backward.backward(spec, q, k, v, out, row_stats, do, dlse, q_ids, kv_ids)
         return tuple((g + stand_in.mark + poison(q, k, v, do)).astype(g.dtype) for g in grads)
 
-    stand_in = types.SimpleNamespace(forward=forward, backward=backward, mark=1.0)
+    stand_in = types.SimpleNamespace(
+        forward=forward, backward=backward, mark=1.0,
+        default_forward_config=mosaic_forward.default_forward_config)
     return stand_in
 
 
