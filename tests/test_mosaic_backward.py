@@ -111,12 +111,13 @@ VARIANTS = [
 ]
 
 
-@needs_hopper
-@pytest.mark.parametrize("b,sq,skv,hq,hkv,d,dtype,options,config", VARIANTS)
-def test_variants_match_reference_and_triton(b, sq, skv, hq, hkv, d, dtype, options, config):
+def _variant_matches(b, sq, skv, hq, hkv, d, dtype, options, config, *, seed, check_spec):
+    """Gradients of a variant (options as flash_attention takes them, `segments` as
+    `_segments` args) against the reference and the Triton backward; check_spec(spec, q, k, v)
+    asserts what the case is meant to exercise."""
     options = dict(options)
-    q, k, v, do = random_inputs(jax.random.PRNGKey(97), b, sq, skv, hq, hkv, d, dtype)
-    dlse = jax.random.normal(jax.random.PRNGKey(98), (b, hq, sq), jnp.float32)
+    q, k, v, do = random_inputs(jax.random.PRNGKey(seed), b, sq, skv, hq, hkv, d, dtype)
+    dlse = jax.random.normal(jax.random.PRNGKey(seed + 1), (b, hq, sq), jnp.float32)
     segments = options.pop("segments", None)
     q_ids = kv_ids = None
     if segments is not None:
@@ -124,15 +125,25 @@ def test_variants_match_reference_and_triton(b, sq, skv, hq, hkv, d, dtype, opti
         options.update(seg_kwargs)
         q_ids, kv_ids = fold_lengths(**seg_kwargs, batch=b, seq_q=sq, seq_kv=skv)
     spec = mosaic_spec(sq, skv, d, dtype, causal=options.get("causal", False),
-                 alignment=options.get("causal_alignment", "top_left"),
-                 window=options.get("window"), softcap=options.get("softcap"),
-                 has_segments=segments is not None)
-    assert mosaic.unsupported_reason(spec, q, k, v, config) is None
+                       alignment=options.get("causal_alignment", "top_left"),
+                       window=options.get("window"), softcap=options.get("softcap"),
+                       has_segments=segments is not None)
+    check_spec(spec, q, k, v)
     out, stats = triton_forward.forward(spec, q, k, v, q_ids, kv_ids)
     grads = mosaic.backward(spec, q, k, v, out, stats, do, dlse, q_ids, kv_ids, config=config)
     tri = triton_backward.backward(spec, q, k, v, out, stats, do, dlse, q_ids, kv_ids)
     ref = reference_grads(q, k, v, do, dlse, **options)
     _check(grads, tri, ref, (q, k, v), dtype)
+
+
+@needs_hopper
+@pytest.mark.parametrize("b,sq,skv,hq,hkv,d,dtype,options,config", VARIANTS)
+def test_variants_match_reference_and_triton(b, sq, skv, hq, hkv, d, dtype, options, config):
+    def served(spec, q, k, v):
+        assert mosaic.unsupported_reason(spec, q, k, v, config) is None
+
+    _variant_matches(b, sq, skv, hq, hkv, d, dtype, options, config, seed=97,
+                     check_spec=served)
 
 
 @needs_hopper
@@ -190,24 +201,11 @@ PAIRED = Config(dkdv_block_q=64, dq_block_kv=64, dq_compute_wgs=1, dkdv_paired=T
 ], ids=["causal-gqa-bf16", "partial-f16", "window-f16", "segments-window-bf16"])
 def test_paired_dkdv_matches_reference_and_triton(b, sq, skv, hq, hkv, dtype, options):
     """Head_dim 256 with the dK/dV warpgroups paired (one forms P^T, the other dS^T)."""
-    options = dict(options)
-    d = 256
-    q, k, v, do = random_inputs(jax.random.PRNGKey(71), b, sq, skv, hq, hkv, d, dtype)
-    dlse = jax.random.normal(jax.random.PRNGKey(72), (b, hq, sq), jnp.float32)
-    segments = options.pop("segments", None)
-    q_ids = kv_ids = None
-    if segments is not None:
-        seg_kwargs = _segments(b, sq, skv, *segments)
-        options.update(seg_kwargs)
-        q_ids, kv_ids = fold_lengths(**seg_kwargs, batch=b, seq_q=sq, seq_kv=skv)
-    spec = mosaic_spec(sq, skv, d, dtype, causal=options.get("causal", False),
-                       window=options.get("window"), has_segments=segments is not None)
-    assert PAIRED.dkdv_pairs(spec, d)
-    out, stats = triton_forward.forward(spec, q, k, v, q_ids, kv_ids)
-    grads = mosaic.backward(spec, q, k, v, out, stats, do, dlse, q_ids, kv_ids, config=PAIRED)
-    tri = triton_backward.backward(spec, q, k, v, out, stats, do, dlse, q_ids, kv_ids)
-    ref = reference_grads(q, k, v, do, dlse, **options)
-    _check(grads, tri, ref, (q, k, v), dtype)
+    def pairs(spec, *_):
+        assert PAIRED.dkdv_pairs(spec, 256)
+
+    _variant_matches(b, sq, skv, hq, hkv, 256, dtype, options, PAIRED, seed=71,
+                     check_spec=pairs)
 
 
 @pytest.mark.parametrize("dtype,options", [
