@@ -28,8 +28,10 @@ Warpgroup layout. A warpgroup's wgmma M tile is 64 rows. In the dK/dV kernel, wi
 128, the two compute warpgroups own 64 key rows each (a 128-row CTA) and share the Q / dO
 stream. At head_dim 256 two float32 accumulators of 64 x 256 do not fit one warpgroup's
 registers, so both warpgroups own the same 64 key rows and split the *columns* of dK and dV
-(128 each); each recomputes S^T and dP^T (which need the full head_dim), i.e. 6 instead of 4
-matmul units: a known cost of this layout. The dQ kernel: each compute warpgroup owns 64 q rows.
+(128 each). S^T and dP^T need the full head_dim: compiled and without a softcap the two
+warpgroups divide them (`MosaicBackwardConfig.dkdv_paired`: one forms P^T, the other dP^T and
+dS^T, exchanged through shared memory; 4 matmul units a step, +13-16%, NOTES.md runs 41-42);
+otherwise each recomputes both (6 units). The dQ kernel: each compute warpgroup owns 64 q rows.
 
 Masks (causal, sliding window, alignment offset: masking.MaskSpec; the key bound; segment ids):
 the loop bounds are MaskSpec's, as in the Triton backward: `q_blocks` per key tile for dK/dV
