@@ -10,16 +10,24 @@ layers under `lax.scan` (each layer: x + attention(x, x, x), so the layers depen
 for each backend, and reports the time per layer and the gap between "auto" and the unchecked
 "mosaic" (on a GPU that is not sm_90, or on the CPU, both run Triton / the interpreter and the
 gap is noise). Results go to <out>/guard_cost.json.
+
+`--guarded-cluster 1,2` times "auto" once per value, its head_dim 128 forward run in clusters
+of that many CTAs: guarded.forward runs unclustered because, timed call by call, a clustered
+launch inside the guard's lax.cond cost ~0.17 ms (NOTES.md run 47); this shows whether a
+training step pays that too.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import json
 import os
 import statistics
 import sys
 import time
+import types
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
@@ -30,6 +38,7 @@ import jax.numpy as jnp  # noqa: E402
 from jax import lax  # noqa: E402
 
 import pallas_flash as pf  # noqa: E402
+from pallas_flash import attention, guarded  # noqa: E402
 
 
 def step_fn(backend: str, causal: bool, layers: int):
@@ -44,6 +53,25 @@ def step_fn(backend: str, causal: bool, layers: int):
     return jax.jit(jax.value_and_grad(loss))
 
 
+@contextlib.contextmanager
+def guarded_cluster(n: int):
+    """"auto"'s Mosaic forward with clusters of n CTAs at head_dim 128 (else its default)."""
+    real = guarded.mosaic_forward
+
+    def config(head_dim, spec=None):
+        cfg = real.default_forward_config(head_dim, spec)
+        return dataclasses.replace(cfg, cluster=n) if head_dim == 128 else cfg
+
+    guarded.mosaic_forward = types.SimpleNamespace(forward=real.forward,
+                                                   default_forward_config=config)
+    attention._custom_vjp_attention.cache_clear()  # no trace of the other choice is reused
+    try:
+        yield
+    finally:
+        guarded.mosaic_forward = real
+        attention._custom_vjp_attention.cache_clear()
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shape", default="2x8192x16x128", help="batch x seq x heads x head_dim")
@@ -51,6 +79,8 @@ def main(argv=None):
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--backends", default="auto,mosaic,triton")
     p.add_argument("--causal", default="0,1")
+    p.add_argument("--guarded-cluster", default="1",
+                   help='"auto" forward cluster sizes to time at head_dim 128, e.g. 1,2')
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     args = p.parse_args(argv)
     b, s, h, d = (int(n) for n in args.shape.split("x"))
@@ -58,17 +88,21 @@ def main(argv=None):
     x = x * 0.1  # keeps the residual stream bounded over the layers
     rows = []
     for causal in (bool(int(c)) for c in args.causal.split(",")):
-        for backend in args.backends.split(","):
-            row = dict(shape=args.shape, layers=args.layers, causal=causal, backend=backend)
+        runs = [(b, int(n)) for b in args.backends.split(",")
+                for n in (args.guarded_cluster.split(",") if b == "auto" else ["1"])]
+        for backend, cluster in runs:
+            row = dict(shape=args.shape, layers=args.layers, causal=causal, backend=backend,
+                       guarded_cluster=cluster)
             try:
-                fn = step_fn(backend, causal, args.layers)
-                jax.block_until_ready(fn(x))
-                jax.block_until_ready(fn(x))
-                times = []
-                for _ in range(args.iters):
-                    t0 = time.perf_counter()
+                with guarded_cluster(cluster):
+                    fn = step_fn(backend, causal, args.layers)
                     jax.block_until_ready(fn(x))
-                    times.append(time.perf_counter() - t0)
+                    jax.block_until_ready(fn(x))
+                    times = []
+                    for _ in range(args.iters):
+                        t0 = time.perf_counter()
+                        jax.block_until_ready(fn(x))
+                        times.append(time.perf_counter() - t0)
                 row["step_ms"] = statistics.median(times) * 1e3
                 row["per_layer_ms"] = row["step_ms"] / args.layers
             except ValueError as e:  # a forced backend that cannot serve this machine
@@ -77,7 +111,8 @@ def main(argv=None):
             print(" ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}"
                            for k, v in row.items()), flush=True)
     for causal in {r["causal"] for r in rows}:
-        by = {r["backend"]: r.get("step_ms") for r in rows if r["causal"] == causal}
+        by = {r["backend"]: r.get("step_ms") for r in rows
+              if r["causal"] == causal and r["guarded_cluster"] == 1}
         if by.get("auto") and by.get("mosaic"):
             gap = (by["auto"] - by["mosaic"]) / args.layers
             print(f"causal={causal}: auto - mosaic = {gap:.3f} ms per layer "
