@@ -128,7 +128,7 @@ class MosaicForwardConfig:
       70% (NOTES.md run 34; a third V slot, which would have hidden latency, did not help:
       run 36). Why a slot's barrier cannot skip a phase: a block lands in a CTA only once
       both copy warpgroups have issued their halves, and each issues only after it waited for
-      the slot's previous phase. Opt-in, compiled only: jax 0.11.2's GPU interpreter loads a
+      the slot's previous phase. Compiled only: jax 0.11.2's GPU interpreter loads a
       multicast block whole into each CTA, which breaks that interlock (one CTA can consume and
       release a block before the other's copy warpgroup waited for the phase before it), and it
       hung so with ping-pong and the lagged P V; all cases passed compiled (run 38). Timed on
@@ -136,8 +136,9 @@ class MosaicForwardConfig:
       head_dim 128 non-causal 8k 608 -> 618 and 617 -> 629, 16k 558 -> 623 and 561 -> 599;
       causal 8k 594 -> 586 and 593 -> 582, 16k 630 -> 624 and 633 -> 620; head_dim 64
       (block_kv 256) 412 -> 411 / 383 -> 400; head_dim 256 (block_kv 64) 711 -> 680 / 694 ->
-      633. So a candidate default for head_dim 128 without a position mask only, pending the
-      compiled suite with it on.
+      633. So the default for compiled head_dim 128 calls without a position mask or segment
+      ids (`default_forward_config` with a spec; the compiled suite passed with it, NOTES.md
+      run 43), except inside "auto"'s finiteness check (guarded.forward says why).
     """
 
     block_q: int = 64
