@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Session 10 (one H200): "auto"'s guard as a zero-or-one-trip loop after the Mosaic kernel.
+#   usage: bash benchmarks/gpu_session10.sh guard   (~4 min)
+#   - where XLA put each kernel of auto's compiled forward+backward (benchmarks/hlo_kernels.py:
+#     the Triton fallback must stay inside the loop);
+#   - guard_cost.py: an 8-layer training step, auto with the loop guard ("while") and the
+#     former lax.cond ("cond"), forward clusters 1 / 2, against the unchecked mosaic backend;
+#   - the compiled guard and dispatch tests (tests/test_backends.py).
+#   usage: CASES=... IMPLS=... bash benchmarks/gpu_session10.sh bench   (pipelined benchmark)
+source "$(dirname "$0")/gpu_common.sh"
+PART=${1:-guard}
+
+if [ "$PART" = guard ]; then
+  timeout 120 python3 benchmarks/hlo_kernels.py --shape 2x8192x16x128 --out "$R" \
+    > "$OUT/hlo.log" 2>&1; echo "hlo exit: $?" >> "$OUT/hlo.log"
+  timeout 200 python3 benchmarks/guard_cost.py --backends auto,mosaic --causal 0 \
+    --guard-form while,cond --guarded-cluster 1,2 --out "$R/nc" > "$OUT/guard.log" 2>&1
+  echo "guard nc exit: $?" >> "$OUT/guard.log"
+  timeout 120 python3 benchmarks/guard_cost.py --backends auto,mosaic --causal 1 \
+    --guard-form while,cond --out "$R/c" >> "$OUT/guard.log" 2>&1
+  echo "guard c exit: $?" >> "$OUT/guard.log"
+  timeout 150 python3 -m pytest -q --compiled -p no:cacheprovider -n 4 --timeout=120 \
+    --timeout-method=thread tests/test_backends.py > "$OUT/tests.log" 2>&1
+  echo "pytest exit: $?" >> "$OUT/tests.log"
+fi
+
+if [ "$PART" = bench ]; then
+  timeout ${BENCH_TIMEOUT:-540} python3 -m pallas_flash.bench --timer pipelined \
+    --impls "${IMPLS:-pallas_flash,pallas_flash_mosaic,cudnn}" \
+    --cases "${CASES:-2x8192x16x16x128,1x16384x16x16x128}" --iters 20 --iters-bwd 10 \
+    --out "$R" > "$OUT/bench.log" 2>&1
+  echo "bench exit: $?" >> "$OUT/bench.log"
+fi
+
+tar -czf "$OUT/results.tar.gz" -C "$R" . && rm -rf "$R"
+[ -f "$OUT/hlo.log" ] && { echo "== hlo"; cut -c1-170 "$OUT/hlo.log" | head -30; }
+[ -f "$OUT/guard.log" ] && { echo "== guard"; grep -E "step_ms|error|exit|auto -" "$OUT/guard.log" | sed 's/shape=2x8192x16x128 layers=8 //'; }
+[ -f "$OUT/tests.log" ] && { echo "== tests"; grep -E "^(FAILED|ERROR)|passed|failed|exit|Error" "$OUT/tests.log" | tail -12; }
+[ -f "$OUT/bench.log" ] && { echo "== bench"; grep -vE "^\s*$" "$OUT/bench.log" | tail -40; }
+true
