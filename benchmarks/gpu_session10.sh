@@ -24,7 +24,21 @@ if [ "$PART" = guard ]; then
   echo "pytest exit: $?" >> "$OUT/tests.log"
 fi
 
-if [ "$PART" = bench ]; then
+if [ "$PART" = steps ]; then
+  # Why an unchecked "mosaic" training step runs ~18% slower than "auto"'s (run 48, and run 14
+  # before it), with the same kernels: every kernel launch of a 2-layer step, its duration, per
+  # backend (Nsight Compute, one metric; three steps: two warm-ups and one timed).
+  for b in auto mosaic; do
+    timeout 110 ncu --clock-control none --metrics gpu__time_duration.sum --print-summary \
+      per-kernel python3 benchmarks/guard_cost.py --backends $b --causal 0 --layers 2 --iters 1 \
+      --out "$R/ncu_$b" > "$OUT/ncu_$b.txt" 2>&1
+    echo "ncu exit: $?" >> "$OUT/ncu_$b.txt"
+  done
+  timeout 60 python3 benchmarks/guard_cost.py --backends auto,mosaic --causal 0 --layers 2 \
+    --out "$R/l2" > "$OUT/guard.log" 2>&1
+fi
+
+if [ "$PART" = bench ] || [ "$PART" = steps ]; then
   timeout ${BENCH_TIMEOUT:-540} python3 -m pallas_flash.bench --timer pipelined \
     --impls "${IMPLS:-pallas_flash,pallas_flash_mosaic,cudnn}" \
     --cases "${CASES:-2x8192x16x16x128,1x16384x16x16x128}" --iters 20 --iters-bwd 10 \
@@ -36,5 +50,6 @@ tar -czf "$OUT/results.tar.gz" -C "$R" . && rm -rf "$R"
 [ -f "$OUT/hlo.log" ] && { echo "== hlo"; cut -c1-170 "$OUT/hlo.log" | head -30; }
 [ -f "$OUT/guard.log" ] && { echo "== guard"; grep -E "step_ms|error|exit|auto -" "$OUT/guard.log" | sed 's/shape=2x8192x16x128 layers=8 //'; }
 [ -f "$OUT/tests.log" ] && { echo "== tests"; grep -E "^(FAILED|ERROR)|passed|failed|exit|Error" "$OUT/tests.log" | tail -12; }
+for f in "$OUT"/ncu_*.txt; do [ -f "$f" ] && { echo "== $f"; grep -vE "^==PROF==|^\s*$" "$f" | grep -E "exit|pallas|mosaic|triton|copy|fusion|Kernel|gpu__time|Invocations|^\s+[a-z_]+.*\(|loop|input|wrapped" | cut -c1-160 | head -60; }; done
 [ -f "$OUT/bench.log" ] && { echo "== bench"; grep -vE "^\s*$" "$OUT/bench.log" | tail -40; }
 true
