@@ -24,6 +24,17 @@ if [ "$PART" = guard ]; then
   echo "pytest exit: $?" >> "$OUT/tests.log"
 fi
 
+if [ "$PART" = probe ]; then
+  # benchmarks/step_probe.py: the backward preprocess's formulations timed alone; the optimized
+  # HLO of a 2-layer step under "mosaic" (its forward ran twice a layer in run 49's ncu list);
+  # an 8-layer "mosaic" step with and without an optimization_barrier after the forward.
+  timeout 90 python3 benchmarks/step_probe.py --part delta > "$OUT/probe.log" 2>&1
+  timeout 90 python3 benchmarks/step_probe.py --part hlo --backend mosaic --out "$R" \
+    >> "$OUT/probe.log" 2>&1
+  timeout 150 python3 benchmarks/step_probe.py --part barrier --layers 8 >> "$OUT/probe.log" 2>&1
+  echo "probe exit: $?" >> "$OUT/probe.log"
+fi
+
 if [ "$PART" = steps ]; then
   # Why an unchecked "mosaic" training step runs ~18% slower than "auto"'s (run 48, and run 14
   # before it), with the same kernels: every kernel launch of a 2-layer step, its duration, per
@@ -47,6 +58,7 @@ if [ "$PART" = bench ] || [ "$PART" = steps ]; then
 fi
 
 tar -czf "$OUT/results.tar.gz" -C "$R" . && rm -rf "$R"
+[ -f "$OUT/probe.log" ] && { echo "== probe"; grep -E "^(delta|hlo|barrier)|exit|Error" "$OUT/probe.log" | cut -c1-400 | head -40; }
 [ -f "$OUT/hlo.log" ] && { echo "== hlo"; cut -c1-170 "$OUT/hlo.log" | head -30; }
 [ -f "$OUT/guard.log" ] && { echo "== guard"; grep -E "step_ms|error|exit|auto -" "$OUT/guard.log" | sed 's/shape=2x8192x16x128 layers=8 //'; }
 [ -f "$OUT/tests.log" ] && { echo "== tests"; grep -E "^(FAILED|ERROR)|passed|failed|exit|Error" "$OUT/tests.log" | tail -12; }
