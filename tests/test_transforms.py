@@ -173,6 +173,56 @@ def test_scan_over_layers():
     assert_close("scan grads", g, rg, TOLERANCE[jnp.dtype(F32)])
 
 
+def test_forward_kernel_outputs_pass_an_optimization_barrier():
+    # attention.py's forward: without the barrier XLA launched the Mosaic forward twice per
+    # layer of a scanned training step (NOTES.md run 50). Structural here: every forward
+    # kernel's outputs feed an optimization_barrier, in the forward scan of a step's gradient.
+    import jax.extend
+
+    q, _, _, _ = random_inputs(jax.random.PRNGKey(11), 1, 30, 30, 2, 2, 16, F32)
+
+    def loss(x):
+        def layer(h, _):
+            return h + pf.flash_attention(h, h, h, causal=True), None
+        return jnp.sum(jax.lax.scan(layer, x, None, length=2)[0] ** 2)
+
+    fenced, kernels = [], []
+
+    def walk(jaxpr):
+        made = {}
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "pallas_call" and "_fwd" in eqn.params["name"]:
+                kernels.append(eqn.params["name"])
+                made.update((id(o), eqn.params["name"]) for o in eqn.outvars)
+            if eqn.primitive.name == "optimization_barrier":
+                fenced.extend(made[id(v)] for v in eqn.invars if id(v) in made)
+            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+                walk(sub)
+            # a kernel staged inside a jit: its outputs are the jit's outputs
+            if eqn.primitive.name in ("pjit", "jit") and any(
+                    e.primitive.name == "pallas_call" and "_fwd" in e.params["name"]
+                    for e in eqn.params["jaxpr"].jaxpr.eqns):
+                made.update((id(o), "jit") for o in eqn.outvars)
+
+    walk(jax.make_jaxpr(jax.grad(loss))(q).jaxpr)
+    assert kernels and fenced, (kernels, fenced)
+
+
+def test_output_dot_matches_float64_rowsum():
+    # stats.output_dot, the backward's preprocess D = rowsum(dO * O) - dlse in [b, h, s].
+    from pallas_flash.stats import output_dot
+
+    keys = jax.random.split(jax.random.PRNGKey(12), 3)
+    out = jax.random.normal(keys[0], (2, 37, 3, 24), jnp.bfloat16)
+    do = jax.random.normal(keys[1], (2, 37, 3, 24), jnp.bfloat16)
+    dlse = jax.random.normal(keys[2], (2, 3, 37), F32)
+    got = output_dot(out, do, dlse, F32)
+    want = (np.einsum("bshd,bshd->bhs", np.asarray(out, np.float64), np.asarray(do, np.float64))
+            - np.asarray(dlse, np.float64))
+    assert got.shape == (2, 3, 37) and got.dtype == F32
+    np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=1e-5, atol=1e-5)
+
+
 # ---- memory: nothing of size seq_q x seq_kv is saved or materialised --------------------------
 
 def test_residuals_are_inputs_output_and_row_statistics_only():

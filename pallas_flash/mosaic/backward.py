@@ -89,7 +89,7 @@ from pallas_flash.mosaic.tiles import (WG_ROWS, accumulate, bcast_cols, bcast_ro
                                       positions, product, row_vector, transposed_probabilities,
                                       transposed_score_grads, transposed_weights, zeros_acc)
 from pallas_flash.spec import AttentionSpec
-from pallas_flash.stats import LOG2E, RowStats, logit_scale
+from pallas_flash.stats import LOG2E, RowStats, logit_scale, output_dot
 
 __all__ = ["DKDV_KERNEL_NAME", "DQ_KERNEL_NAME", "MosaicBackwardConfig",
            "default_backward_config", "backward", "unsupported_reason"]
@@ -715,8 +715,7 @@ def backward(spec: AttentionSpec, q, k, v, out, stats: RowStats, do, dlse, q_ids
     # read as +inf so that its P is exactly 0. m, r and D travel together, [b, hq, 3, seq_q],
     # padded to whole q tiles of both kernels with (m, r, D) = (0, +inf, 0): rows past seq_q
     # (zeros from the TMA) then have P = 0 and dS = 0, with no mask.
-    delta = jnp.einsum("bshd,bshd->bhs", out.astype(jnp.float32), do.astype(jnp.float32))
-    delta = delta - dlse.astype(jnp.float32)
+    delta = output_dot(out, do, dlse, jnp.float32)
     r = stats.r.astype(jnp.float32)
     r = jnp.where(r == -jnp.inf, jnp.inf, r)
     q_mult = _lcm(cfg.dkdv_block_q, cfg.dq_block_q())

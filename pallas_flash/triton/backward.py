@@ -30,7 +30,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_flash.masking import segment_block_ranges
 from pallas_flash.spec import AttentionSpec
-from pallas_flash.stats import RowStats
+from pallas_flash.stats import RowStats, output_dot
 from pallas_flash.triton import common
 
 __all__ = ["backward"]
@@ -172,9 +172,8 @@ def backward(spec: AttentionSpec, q, k, v, out, stats: RowStats, do, dlse, q_ids
     d_pad = common.padded_head_dim(head_dim)
     acc_dtype = common.accumulator_dtype(q.dtype)
 
-    # The preprocess: one fused XLA pass over O and dO, [batch, q_heads, seq_q].
-    delta = jnp.einsum("bshd,bshd->bhs", out.astype(acc_dtype), do.astype(acc_dtype))
-    delta = delta - dlse.astype(acc_dtype)
+    # The preprocess: one XLA pass over O and dO, [batch, q_heads, seq_q].
+    delta = output_dot(out, do, dlse, acc_dtype)
     compiler = lambda cfg: plgpu.CompilerParams(num_warps=cfg.num_warps,  # noqa: E731
                                                 num_stages=cfg.num_stages)
 
