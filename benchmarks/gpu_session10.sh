@@ -35,6 +35,19 @@ if [ "$PART" = probe ]; then
   echo "probe exit: $?" >> "$OUT/probe.log"
 fi
 
+if [ "$PART" = verify ]; then
+  # After the preprocess and barrier changes: the compiled tests that touch them, then the
+  # 8-layer step for auto and mosaic, both masks.
+  timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q --compiled -p no:cacheprovider -n 6 \
+    --timeout=200 --timeout-method=thread tests/test_backends.py tests/test_transforms.py \
+    tests/test_gradients.py tests/test_mosaic_fused.py tests/test_mosaic_backward.py \
+    > "$OUT/tests.log" 2>&1
+  echo "pytest exit: $?" >> "$OUT/tests.log"
+  timeout 150 python3 benchmarks/guard_cost.py --backends auto,mosaic --causal 0,1 \
+    --out "$R/step" > "$OUT/guard.log" 2>&1
+  echo "guard exit: $?" >> "$OUT/guard.log"
+fi
+
 if [ "$PART" = steps ]; then
   # Why an unchecked "mosaic" training step runs ~18% slower than "auto"'s (run 48, and run 14
   # before it), with the same kernels: every kernel launch of a 2-layer step, its duration, per
