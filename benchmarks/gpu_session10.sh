@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# Session 10 (one H200): "auto"'s guard as a zero-or-one-trip loop after the Mosaic kernel.
-#   usage: bash benchmarks/gpu_session10.sh guard   (~4 min)
+# Session 10 (one H200; NOTES.md runs 48-52).
+#   usage: bash benchmarks/gpu_session10.sh guard   (~4 min; ran at f2243fb, whose guard_cost.py
+#   had --guard-form: "auto"'s guard as a zero-or-one-trip loop after the Mosaic kernel, since
+#   reverted to the lax.cond, run 52)
 #   - where XLA put each kernel of auto's compiled forward+backward (benchmarks/hlo_kernels.py:
 #     the Triton fallback must stay inside the loop);
 #   - guard_cost.py: an 8-layer training step, auto with the loop guard ("while") and the

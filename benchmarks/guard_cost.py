@@ -12,10 +12,9 @@ for each backend, and reports the time per layer and the gap between "auto" and 
 gap is noise). Results go to <out>/guard_cost.json.
 
 `--guarded-cluster 1,2` times "auto" once per value, its head_dim 128 forward run in clusters
-of that many CTAs (timed call by call, a clustered launch inside the guard's former lax.cond
-cost ~0.17 ms, NOTES.md run 47). `--guard-form while,cond` times "auto" with the guard as it is
-(the Mosaic kernel at the top level, the Triton one in a zero-or-one-trip loop) and as it was
-(`lax.cond` between the two, `cond_form`), so one run shows what the change bought.
+of that many CTAs: guarded.forward runs unclustered because, timed call by call, a clustered
+launch inside the guard's lax.cond cost ~0.17 ms (NOTES.md run 47); this shows whether a
+training step pays that too.
 """
 
 from __future__ import annotations
@@ -36,7 +35,7 @@ if ROOT not in sys.path:
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-from jax import custom_batching, lax  # noqa: E402
+from jax import lax  # noqa: E402
 
 import pallas_flash as pf  # noqa: E402
 from pallas_flash import attention, guarded  # noqa: E402
@@ -55,13 +54,9 @@ def step_fn(backend: str, causal: bool, layers: int):
 
 
 @contextlib.contextmanager
-def guarded_cluster(n: int | None):
-    """"auto"'s Mosaic forward with clusters of n CTAs at head_dim 128 (else, or with n None,
-    its default)."""
+def guarded_cluster(n: int):
+    """"auto"'s Mosaic forward with clusters of n CTAs at head_dim 128 (else its default)."""
     real = guarded.mosaic_forward
-    if n is None:
-        yield
-        return
 
     def config(head_dim, spec=None):
         cfg = real.default_forward_config(head_dim, spec)
@@ -77,40 +72,6 @@ def guarded_cluster(n: int | None):
         attention._custom_vjp_attention.cache_clear()
 
 
-def _checked_cond(check, fast, safe):
-    """guarded._checked as it was before session 10: a `lax.cond` between the two kernels, one
-    flag for the whole batch under vmap."""
-    @custom_batching.custom_vmap
-    def run(*args):
-        return lax.cond(check(*args), fast, safe, *args)
-
-    @run.def_vmap
-    def _batched(axis_size, in_batched, *args):
-        del axis_size
-        in_axes = tuple(jax.tree.map(lambda b: 0 if b else None, in_batched))
-        out = lax.cond(check(*args), jax.vmap(fast, in_axes=in_axes),
-                       jax.vmap(safe, in_axes=in_axes), *args)
-        return out, jax.tree.map(lambda _: True, out)
-
-    return run
-
-
-@contextlib.contextmanager
-def guard_form(form: str):
-    """"auto"'s guard as it is ("while") or as it was ("cond", `_checked_cond`)."""
-    if form not in ("while", "cond"):
-        raise ValueError(f"guard form must be 'while' or 'cond', got {form!r}")
-    real = guarded._checked
-    if form == "cond":
-        guarded._checked = _checked_cond
-    attention._custom_vjp_attention.cache_clear()
-    try:
-        yield
-    finally:
-        guarded._checked = real
-        attention._custom_vjp_attention.cache_clear()
-
-
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shape", default="2x8192x16x128", help="batch x seq x heads x head_dim")
@@ -118,11 +79,8 @@ def main(argv=None):
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--backends", default="auto,mosaic,triton")
     p.add_argument("--causal", default="0,1")
-    p.add_argument("--guarded-cluster", default="default",
-                   help='"auto" forward cluster sizes to time at head_dim 128, e.g. 1,2 '
-                        '("default": its own choice)')
-    p.add_argument("--guard-form", default="while",
-                   help='"auto" guard forms to time: while (as it is), cond (as it was)')
+    p.add_argument("--guarded-cluster", default="1",
+                   help='"auto" forward cluster sizes to time at head_dim 128, e.g. 1,2')
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     args = p.parse_args(argv)
     b, s, h, d = (int(n) for n in args.shape.split("x"))
@@ -130,15 +88,13 @@ def main(argv=None):
     x = x * 0.1  # keeps the residual stream bounded over the layers
     rows = []
     for causal in (bool(int(c)) for c in args.causal.split(",")):
-        auto = lambda b, options: options.split(",") if b == "auto" else [None]  # noqa: E731
-        runs = [(b, None if n in (None, "default") else int(n), form)
-                for b in args.backends.split(",")
-                for form in auto(b, args.guard_form) for n in auto(b, args.guarded_cluster)]
-        for backend, cluster, form in runs:
+        runs = [(b, int(n)) for b in args.backends.split(",")
+                for n in (args.guarded_cluster.split(",") if b == "auto" else ["1"])]
+        for backend, cluster in runs:
             row = dict(shape=args.shape, layers=args.layers, causal=causal, backend=backend,
-                       guarded_cluster=cluster, guard_form=form)
+                       guarded_cluster=cluster)
             try:
-                with guarded_cluster(cluster), guard_form(form or "while"):
+                with guarded_cluster(cluster):
                     fn = step_fn(backend, causal, args.layers)
                     jax.block_until_ready(fn(x))
                     jax.block_until_ready(fn(x))
@@ -156,8 +112,7 @@ def main(argv=None):
                            for k, v in row.items()), flush=True)
     for causal in {r["causal"] for r in rows}:
         by = {r["backend"]: r.get("step_ms") for r in rows
-              if r["causal"] == causal and r["guarded_cluster"] in (None, 1)
-              and r["guard_form"] in (None, "while")}
+              if r["causal"] == causal and r["guarded_cluster"] == 1}
         if by.get("auto") and by.get("mosaic"):
             gap = (by["auto"] - by["mosaic"]) / args.layers
             print(f"causal={causal}: auto - mosaic = {gap:.3f} ms per layer "

@@ -1,7 +1,7 @@
 """Where XLA put each kernel of a compiled program: prints every custom call of the optimized
-HLO with the computation that holds it (ENTRY, a while body, a cond branch), e.g. to check that
-"auto"'s Triton fallback stayed inside the guard's loop (XLA's loop-invariant code motion may
-hoist loop-invariant work out of a while body).
+HLO with the computation that holds it (ENTRY, a while body, a cond branch): e.g. which branch
+of "auto"'s guard holds which kernel, or whether XLA hoisted a kernel out of a loop (NOTES.md
+run 48 used it on a guard built as a loop).
 
     PYTHONPATH=. python3 benchmarks/hlo_kernels.py --shape 2x8192x16x128 --out $OUT
 """

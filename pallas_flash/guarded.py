@@ -15,9 +15,8 @@ k, v and dO can. So when those operands are all finite, which is every healthy t
 the Mosaic kernels run; otherwise the Triton kernels do, and give the exact per-row NaNs.
 
 Cost: one read of V in the forward pass and of q, k, v, dO in the backward pass, reduced to one
-flag by XLA, and a loop of zero or one trips around the Triton kernel after the Mosaic one (both
-are compiled; with finite inputs only the Mosaic kernel runs; under jax.vmap one flag covers the
-whole vmapped batch; `_checked` says why not a `lax.cond`). The benchmark
+flag by XLA before the kernel, and a `lax.cond` between two compiled kernels (both are compiled;
+one runs; under jax.vmap one flag covers the whole vmapped batch, see `_checked`). The benchmark
 shows it as the gap between its `pallas_flash` (auto) and `pallas_flash_mosaic` (forced,
 unchecked) rows. ``backend="mosaic"`` skips the check.
 """
@@ -44,42 +43,31 @@ def all_finite(*arrays) -> jnp.ndarray:
 
 
 def _checked(check, fast, safe):
-    """A function of *args that returns fast(*args) if check(*args) else safe(*args), also under
-    jax.vmap.
+    """A function of *args that runs fast(*args) if check(*args) else safe(*args): one branch
+    only, also under jax.vmap.
 
-    The fast kernel runs unconditionally at the top level of the program; the safe one runs in a
-    `lax.while_loop` of zero or one trips that overwrites the fast result. Why not `lax.cond`:
-    a kernel inside a cond branch launched slower (a forward launched in clusters of two cost
-    ~0.17 ms more a call there, NOTES.md run 47), and a cond whose one branch passes the fast
-    result through copies it into the cond's own output buffer (one extra pass over O, or over
-    dq, dk, dv), where a while loop's carry takes the fast result's buffer in place. A
-    non-finite input (never a healthy training step) pays for both kernels.
+    Why a cond before the kernels: the alternative, the Mosaic kernel always and the Triton one in
+    a loop of zero or one trips after it (no kernel inside a branch, and no copy of the result),
+    ran 0.06-0.07 ms slower a forward call on the H200 (NOTES.md run 52: the loop's predicate is
+    read on the host only after the Mosaic kernel ends, where the cond's is read after the short
+    check) and no faster in an 8-layer training step (run 48).
 
-    Under vmap the rule takes one flag for the whole vmapped batch: a per-example flag would
-    make the loop's predicate batched, and vmap would run the safe kernel on the whole batch
-    every time. One non-finite example sends the batch to the safe kernels, which are right
-    for every example.
+    Plain `lax.cond` under vmap gets a per-example flag and becomes a select that runs both
+    kernels on the whole batch. The vmap rule instead takes one flag for the whole vmapped batch
+    and vmaps the chosen kernel: one non-finite example sends the batch to the safe kernels,
+    which are right for every example.
     """
-
-    def run_checked(check_fn, fast_fn, safe_fn, args):
-        result = fast_fn(*args)
-
-        def redo(carry):
-            return jnp.bool_(False), safe_fn(*args)
-
-        return lax.while_loop(lambda carry: carry[0], redo,
-                              (jnp.logical_not(check_fn(*args)), result))[1]
 
     @custom_batching.custom_vmap
     def run(*args):
-        return run_checked(check, fast, safe, args)
+        return lax.cond(check(*args), fast, safe, *args)
 
     @run.def_vmap
     def _batched(axis_size, in_batched, *args):
         del axis_size
         in_axes = tuple(jax.tree.map(lambda b: 0 if b else None, in_batched))
-        out = run_checked(check, jax.vmap(fast, in_axes=in_axes),
-                          jax.vmap(safe, in_axes=in_axes), args)
+        out = lax.cond(check(*args), jax.vmap(fast, in_axes=in_axes),
+                       jax.vmap(safe, in_axes=in_axes), *args)
         return out, jax.tree.map(lambda _: True, out)
 
     return run
@@ -88,12 +76,15 @@ def _checked(check, fast, safe):
 def forward(spec: AttentionSpec, q, k, v, q_ids=None, kv_ids=None):
     """(O, RowStats): the Mosaic forward when V is finite, else the Triton forward.
 
-    The Mosaic forward takes its default tiles for the spec (clusters of two where they pay,
-    `mosaic.forward.default_forward_config`): outside any branch they launch as fast as
-    unguarded (`_checked`).
+    The Mosaic forward runs with its unclustered default (`default_forward_config` without the
+    spec): inside this lax.cond a launch in clusters of two cost ~0.17 ms a call on the H200,
+    more than clusters gain at 8k (NOTES.md runs 46-47: 2x8192x16x128 non-causal 1.95 ms here
+    against 1.78 ms unguarded; 1.85 ms unclustered here in session 8). Unguarded
+    (backend="mosaic") calls keep the clustered default.
     """
+    config = mosaic_forward.default_forward_config(q.shape[-1])
     return _checked(lambda q, k, v, *_: all_finite(v),
-                    lambda *a: mosaic_forward.forward(spec, *a),
+                    lambda *a: mosaic_forward.forward(spec, *a, config=config),
                     lambda *a: triton_forward.forward(spec, *a))(q, k, v, q_ids, kv_ids)
 
 

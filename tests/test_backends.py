@@ -117,44 +117,23 @@ def test_auto_is_told_whether_the_caller_chose_tiles(monkeypatch):
     assert seen == [False, True]
 
 
-def _kernels_by_depth(fn, *args):
-    """{kernel name: the primitives of the loops around it}, through nested jaxprs."""
-    import jax.extend
+def test_guarded_forward_runs_unclustered(monkeypatch):
+    # Inside the guard's lax.cond a clustered launch costs more than it gains (guarded.forward):
+    # the guarded forward asks for the unclustered config where the plain default clusters.
+    seen = []
 
-    found = {}
+    def spy(spec, q, k, v, q_ids=None, kv_ids=None, config=None):
+        seen.append((mosaic_forward.default_forward_config(q.shape[-1], spec).cluster,
+                     config.cluster))
+        return triton_forward.forward(spec, q, k, v, q_ids, kv_ids)
 
-    def walk(jaxpr, around):
-        for eqn in jaxpr.eqns:
-            if eqn.primitive.name in ("pallas_call", "mpmd_map"):
-                found.setdefault(eqn.params.get("name"), set()).add(around)
-            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-                walk(sub, around + (eqn.primitive.name,)
-                     if eqn.primitive.name in ("while", "cond") else around)
-
-    walk(jax.make_jaxpr(fn)(*args).jaxpr, ())
-    return found
-
-
-@needs_mosaic
-def test_guard_runs_mosaic_at_top_level_and_triton_in_a_loop():
-    # guarded._checked: the fast kernel outside any branch or loop (a kernel inside a cond
-    # launched slower: NOTES.md run 47), the safe one only inside the zero-or-one-trip loop.
-    q, k, v, do = random_inputs(jax.random.PRNGKey(93), 1, 128, 128, 2, 2, 64, jnp.bfloat16)
-    spec = _spec(128, 128, 64, jnp.bfloat16, causal=True, interpret=not ON_GPU)
-    fn = attention._custom_vjp_attention(spec, "guarded", "guarded")
-
-    def grads(q, k, v, do):
-        out, vjp = jax.vjp(lambda q, k, v: fn(q, k, v, None, None)[0], q, k, v)
-        return out, vjp(do)
-
-    found = _kernels_by_depth(grads, q, k, v, do)
-    mosaic = {n for n in found if n.startswith("pallas_flash_mosaic")}
-    triton = set(found) - mosaic
-    assert mosaic and triton, found
-    for name in mosaic:
-        assert found[name] == {()}, (name, found[name])
-    for name in triton:
-        assert found[name] == {("while",)}, (name, found[name])
+    monkeypatch.setattr(guarded, "mosaic_forward",
+                        types.SimpleNamespace(forward=spy, default_forward_config=
+                                              mosaic_forward.default_forward_config))
+    q, k, v, _ = random_inputs(jax.random.PRNGKey(93), 1, 128, 128, 2, 2, 128, jnp.bfloat16)
+    spec = _spec(128, 128, 128, jnp.bfloat16, interpret=False)
+    jax.eval_shape(lambda q, k, v: guarded.forward(spec, q, k, v), q, k, v)
+    assert seen == [(2, 1)], seen
 
 
 def _leaky_stand_in():
@@ -245,39 +224,10 @@ def test_guarded_backend_confines_nonfinite_inputs_like_triton(which, mosaic_ker
     assert np.isfinite(triton[0][0, :40]).all()
 
 
-def _guard_loops(jaxpr):
-    """The predicate shapes of the while loops of jaxpr whose bodies stage a kernel (the guard
-    loops), through nested jaxprs."""
-    import jax.extend
-
-    def names(jx):
-        out = []
-        for eqn in jx.eqns:
-            out.append(eqn.primitive.name)
-            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-                out += names(sub)
-        return out
-
-    loops = []
-
-    def walk(jx):
-        for eqn in jx.eqns:
-            if eqn.primitive.name == "while":
-                body = eqn.params["body_jaxpr"].jaxpr
-                if {"pallas_call", "mpmd_map"} & set(names(body)):
-                    loops.append(eqn.params["cond_jaxpr"].out_avals[0].shape)
-            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-                walk(sub)
-
-    walk(jaxpr)
-    return loops
-
-
 @needs_mosaic
 def test_guarded_backend_under_vmap_runs_one_branch(mosaic_kernels):
-    # Under jax.vmap a per-example flag would batch the guard loop's predicate, and the loop
-    # would run the Triton kernels on every call (selecting per example); the guard's vmap
-    # rule keeps one flag for the whole vmapped batch. With a NaN
+    # Under jax.vmap a plain lax.cond gets a per-example flag and becomes a select that runs
+    # both kernels; the guard's vmap rule keeps one cond for the whole vmapped batch. With a NaN
     # in one example the whole batch takes Triton's kernels, so every example equals Triton's.
     stand_in = mosaic_kernels
     q, k, v, do = random_inputs(jax.random.PRNGKey(92), 2, 128, 128, 4, 2, 64, jnp.bfloat16)
@@ -293,10 +243,11 @@ def test_guarded_backend_under_vmap_runs_one_branch(mosaic_kernels):
 
         return jax.vmap(one)
 
-    loops = _guard_loops(jax.make_jaxpr(grads("guarded"))(q, k, v, do).jaxpr)
-    # Forward and backward: one guard loop each, with one flag for the batch (a batched one,
-    # [2] here, would make the loop select per example).
-    assert loops == [(), ()], loops
+    jaxpr = jax.make_jaxpr(grads("guarded"))(q, k, v, do).jaxpr
+    top = [eqn.primitive.name for eqn in jaxpr.eqns]
+    inner = [eqn.primitive.name for eqn in jaxpr.eqns
+             for sub in jax.extend.core.jaxprs_in_params(eqn.params) for eqn in sub.eqns]
+    assert "cond" in top + inner and "select_n" not in top, top
     for got, want in zip(grads("guarded")(q, k, v, do), grads("mosaic")(q, k, v, do)):
         np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
     if stand_in is not None:

@@ -16,13 +16,11 @@ def test_smoke_runs_and_records_every_backend(tmp_path):
     with example_module(_SCRIPT, "guard_cost_script") as gc:
         record = gc.main(["--shape", "1x40x2x64", "--layers", "2", "--iters", "1",
                           "--backends", "auto,triton", "--causal", "0,1",
-                          "--guarded-cluster", "1,2", "--guard-form", "while,cond",
-                          "--out", str(tmp_path)])
+                          "--guarded-cluster", "1,2", "--out", str(tmp_path)])
     rows = record["rows"]
-    runs = [(r["backend"], r["guard_form"], r["guarded_cluster"]) for r in rows]
-    assert runs == 2 * [("auto", "while", 1), ("auto", "while", 2), ("auto", "cond", 1),
-                        ("auto", "cond", 2), ("triton", None, None)]
-    assert [r["causal"] for r in rows] == 5 * [False] + 5 * [True]
+    assert [(r["causal"], r["backend"], r["guarded_cluster"]) for r in rows] == [
+        (False, "auto", 1), (False, "auto", 2), (False, "triton", 1),
+        (True, "auto", 1), (True, "auto", 2), (True, "triton", 1)]
     assert all(r["step_ms"] > 0 and r["per_layer_ms"] == r["step_ms"] / 2 for r in rows)
     assert json.loads((tmp_path / "guard_cost.json").read_text())["rows"] == rows
 
@@ -35,16 +33,3 @@ def test_guarded_cluster_switches_autos_forward_and_restores_it():
             assert guarded.mosaic_forward.default_forward_config(128).cluster == 2
             assert guarded.mosaic_forward.default_forward_config(64).cluster == 1
         assert guarded.mosaic_forward is real
-        with gc.guarded_cluster(None):
-            assert guarded.mosaic_forward is real
-
-
-def test_guard_form_swaps_the_guard_and_restores_it():
-    from pallas_flash import guarded
-    real = guarded._checked
-    with example_module(_SCRIPT, "guard_cost_script") as gc:
-        with gc.guard_form("cond"):
-            assert guarded._checked is gc._checked_cond
-        with gc.guard_form("while"):
-            assert guarded._checked is real
-        assert guarded._checked is real
