@@ -43,9 +43,30 @@ if [ "$PART" = bench ]; then
   wait $MAIN_PID
 fi
 
+if [ "$PART" = probe ]; then
+  # benchmarks/guard_probe.py on main (GPU 0) and the branch (GPU 1) at once: the forward's
+  # check, unchecked kernel, both in one program, and auto, timed; then Nsight Compute's list of
+  # the kernels each launches at 1x16384 causal.
+  probe() {  # $1 = GPU, $2 = tree, $3 = log name
+    (cd "$2" && export CUDA_VISIBLE_DEVICES=$1 &&
+     timeout 150 python3 benchmarks/guard_probe.py --cases "${CASES:-1x16384x16x16x128,2x8192x16x16x128}" --sites &&
+     timeout 100 ncu --clock-control none --metrics gpu__time_duration.sum --print-summary \
+       per-kernel python3 benchmarks/guard_probe.py --cases 1x16384x16x16x128 --causal 1 \
+       --iters 1) > "$OUT/$3.log" 2>&1
+    echo "probe exit: $?" >> "$OUT/$3.log"
+  }
+  probe 0 . probe_main &
+  MAIN_PID=$!
+  probe 1 "$BRANCH" probe_branch
+  wait $MAIN_PID
+fi
+
 tar -czf "$OUT/results.tar.gz" -C "$R" . && rm -rf "$R"
 for f in tests tests_multi tests_branch; do
   [ -f "$OUT/$f.log" ] && { echo "== $f"; grep -E "^(FAILED|ERROR)|passed|failed|exit|Error" "$OUT/$f.log" | tail -15; }
+done
+for f in probe_main probe_branch; do
+  [ -f "$OUT/$f.log" ] && { echo "== $f"; grep -E "^probe|^sites|exit|Error" "$OUT/$f.log" | cut -c1-200; grep -vE "^==PROF==" "$OUT/$f.log" | grep -E "^\s+[a-zA-Z_].*\(|Invocations|Average|gpu__time" | cut -c1-150 | head -40; }
 done
 for f in bench_main bench_branch; do
   [ -f "$OUT/$f.log" ] && { echo "== $f"; grep -vE "^\s*$" "$OUT/$f.log" | tail -30; }
