@@ -15,10 +15,11 @@ k, v and dO can. So when those operands are all finite, which is every healthy t
 the Mosaic kernels run; otherwise the Triton kernels do, and give the exact per-row NaNs.
 
 Cost: one read of V in the forward pass and of q, k, v, dO in the backward pass, reduced to one
-flag by XLA before the kernel, and a `lax.cond` between two compiled kernels (both are compiled;
-one runs; under jax.vmap one flag covers the whole vmapped batch, see `_checked`). The benchmark
-shows it as the gap between its `pallas_flash` (auto) and `pallas_flash_mosaic` (forced,
-unchecked) rows. ``backend="mosaic"`` skips the check.
+flag by XLA. The forward then launches both kernels, the Triton one predicated on the flag (its
+programs return at once when V is finite: `forward`); the backward takes a `lax.cond` between
+two compiled kernels (one runs). Under jax.vmap one flag covers the whole vmapped batch. The
+benchmark shows it as the gap between its `pallas_flash` (auto) and `pallas_flash_mosaic`
+(forced, unchecked) rows. ``backend="mosaic"`` skips the check.
 """
 
 from __future__ import annotations
@@ -74,18 +75,37 @@ def _checked(check, fast, safe):
 
 
 def forward(spec: AttentionSpec, q, k, v, q_ids=None, kv_ids=None):
-    """(O, RowStats): the Mosaic forward when V is finite, else the Triton forward.
+    """(O, RowStats): the Mosaic forward's when V is finite, else the Triton forward's.
 
-    The Mosaic forward runs with its unclustered default (`default_forward_config` without the
-    spec): inside this lax.cond a launch in clusters of two cost ~0.17 ms a call on the H200,
-    more than clusters gain at 8k (NOTES.md runs 46-47: 2x8192x16x128 non-causal 1.95 ms here
-    against 1.78 ms unguarded; 1.85 ms unclustered here in session 8). Unguarded
-    (backend="mosaic") calls keep the clustered default.
+    No branch: the Mosaic forward runs, then the Triton forward is launched predicated on the
+    flag (`triton.forward`'s skip / into): with a finite V its programs return at once and its
+    outputs, aliased to the Mosaic kernel's, keep them. A branch would cost a host round trip
+    for its predicate (0.03-0.09 ms a call on the H200, NOTES.md run 52) and made a clustered
+    launch slower still (run 47); here the Mosaic forward runs outside any branch with its own
+    default tiles, clusters included. A non-finite V pays for both kernels.
+    Under vmap one flag covers the whole vmapped batch (as `_checked`'s).
     """
-    config = mosaic_forward.default_forward_config(q.shape[-1])
-    return _checked(lambda q, k, v, *_: all_finite(v),
-                    lambda *a: mosaic_forward.forward(spec, *a, config=config),
-                    lambda *a: triton_forward.forward(spec, *a))(q, k, v, q_ids, kv_ids)
+    def fast(q, k, v, q_ids, kv_ids):
+        return mosaic_forward.forward(spec, q, k, v, q_ids, kv_ids)
+
+    def safe(skip, into, q, k, v, q_ids, kv_ids):
+        return triton_forward.forward(spec, q, k, v, q_ids, kv_ids, skip=skip, into=into)
+
+    @custom_batching.custom_vmap
+    def run(q, k, v, q_ids, kv_ids):
+        args = (q, k, v, q_ids, kv_ids)
+        return safe(all_finite(v), fast(*args), *args)
+
+    @run.def_vmap
+    def _batched(axis_size, in_batched, q, k, v, q_ids, kv_ids):
+        del axis_size
+        in_axes = tuple(jax.tree.map(lambda b: 0 if b else None, in_batched))
+        args = (q, k, v, q_ids, kv_ids)
+        into = jax.vmap(fast, in_axes=in_axes)(*args)
+        out = jax.vmap(safe, in_axes=(None, 0) + in_axes)(all_finite(v), into, *args)
+        return out, jax.tree.map(lambda _: True, out)
+
+    return run(q, k, v, q_ids, kv_ids)
 
 
 def backward(spec: AttentionSpec, q, k, v, out, stats, do, dlse, q_ids=None, kv_ids=None):
