@@ -14,11 +14,7 @@ blocks that every query sees fully skip the mask. A row that sees no key keeps m
 l = 0, and leaves with O = 0, m = 0 and r = -inf: the running max is replaced by 0 wherever it
 is still -inf, so no inf - inf is ever formed.
 
-Predicated launch (`skip` and `into`, for pallas_flash/guarded.py): every program first reads a
-flag and returns at once when it is set, and the outputs alias `into`, so a skipped launch
-leaves `into` (another kernel's result) as the result. The guard launches this kernel after the
-Mosaic one on every call and sets the flag when the Mosaic result is good: no branch, so no
-host round trip for a predicate.
+Predicated launch (`skip` and `into`, for pallas_flash/guarded.py): common.predicated.
 """
 
 from __future__ import annotations
@@ -36,18 +32,6 @@ from pallas_flash.stats import RowStats
 from pallas_flash.triton import common
 
 __all__ = ["forward"]
-
-
-def _predicated_kernel(*refs, kernel):
-    """kernel(*refs without the flag and the aliased `into` refs), unless the flag is set.
-
-    refs: the kernel's inputs, the flag (int32 [1]), the three `into` refs (aliased to the
-    outputs, never read), the three outputs."""
-    skip_ref, kernel_refs = refs[-7], refs[:-7] + refs[-3:]
-    # The program id is read out here: Pallas's interpret mode (jax 0.11.2) substitutes
-    # program_id only outside control flow.
-    tile = pl.program_id(0)
-    pl.when(skip_ref[0] == 0)(lambda: kernel(*kernel_refs, tile=tile))
 
 
 def _forward_kernel(*refs, spec: AttentionSpec, block_q: int, block_kv: int, head_dim: int,
@@ -121,12 +105,10 @@ def forward(spec: AttentionSpec, q, k, v, q_ids=None, kv_ids=None, *, skip=None,
 
     q_ids/kv_ids: int32 [batch, seq] segment ids, with padding folded in (masking.py); given
     exactly when spec.has_segments.
-    skip, into: a predicated launch (module docstring): skip a boolean scalar, into (O,
-    RowStats) of this function's shapes and dtypes; the result is `into` where skip is true.
+    skip, into: a predicated launch (common.predicated): skip a boolean scalar, into (O,
+    RowStats) of this function's shapes and dtypes; the result is `into` when skip is true.
     Both or neither.
     """
-    if (skip is None) != (into is None):
-        raise ValueError("triton forward: skip and into are given together or not at all")
     batch, seq_q, q_heads, head_dim = q.shape
     seq_kv, kv_heads = k.shape[1], k.shape[2]
     group = q_heads // kv_heads
@@ -156,19 +138,9 @@ def forward(spec: AttentionSpec, q, k, v, q_ids=None, kv_ids=None, *, skip=None,
     out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype),
                  jax.ShapeDtypeStruct((batch, q_heads, seq_q), stats_dtype),
                  jax.ShapeDtypeStruct((batch, q_heads, seq_q), stats_dtype)]
-    aliases = {}
-    if skip is not None:
-        into_out, into_stats = into
-        into_args = [into_out, into_stats.m, into_stats.r]
-        for x, want in zip(into_args, out_shape):
-            if x.shape != want.shape or x.dtype != want.dtype:
-                raise ValueError(f"triton forward: into holds {x.dtype}{list(x.shape)} where "
-                                 f"the kernel gives {want.dtype}{list(want.shape)}")
-        kernel = functools.partial(_predicated_kernel, kernel=kernel)
-        flag = jnp.asarray(skip, jnp.int32).reshape(1)
-        aliases = {len(args) + 1 + i: i for i in range(3)}
-        in_specs = in_specs + [pl.BlockSpec((1,), lambda i, b, h: (0,))] + out_specs
-        args = args + [flag] + into_args
+    into = None if into is None else (into[0], into[1].m, into[1].r)
+    kernel, in_specs, args, aliases = common.predicated(kernel, in_specs, args, out_specs,
+                                                        out_shape, skip, into)
     out, m, r = pl.pallas_call(
         kernel,
         grid=(n_q_blocks, batch, q_heads),
