@@ -51,6 +51,18 @@ def step_fn(backend: str, causal: bool, layers: int):
     return jax.jit(jax.value_and_grad(loss))
 
 
+def step_ms(fn, x, iters: int) -> float:
+    """Median milliseconds of fn(x), each call waited for, after two warm-up calls."""
+    jax.block_until_ready(fn(x))
+    jax.block_until_ready(fn(x))
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(x))
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3
+
+
 @contextlib.contextmanager
 def guarded_cluster(n: int):
     """"auto"'s Mosaic forward with clusters of n CTAs at head_dim 128 (else its default)."""
@@ -97,14 +109,7 @@ def main(argv=None):
             try:
                 with guarded_cluster(cluster):
                     fn = step_fn(backend, causal, args.layers)
-                    jax.block_until_ready(fn(x))
-                    jax.block_until_ready(fn(x))
-                    times = []
-                    for _ in range(args.iters):
-                        t0 = time.perf_counter()
-                        jax.block_until_ready(fn(x))
-                        times.append(time.perf_counter() - t0)
-                row["step_ms"] = statistics.median(times) * 1e3
+                    row["step_ms"] = step_ms(fn, x, args.iters)
                 row["per_layer_ms"] = row["step_ms"] / args.layers
             except ValueError as e:  # a forced backend that cannot serve this machine
                 row["error"] = str(e).splitlines()[0]

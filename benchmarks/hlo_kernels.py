@@ -49,6 +49,11 @@ def kernel_sites(hlo: str) -> list[tuple[str, str, str]]:
     return sites
 
 
+def print_sites(sites, prefix: str = "") -> None:
+    for computation, role, label in sites:
+        print(f"{prefix}{role:16s} {computation:40s} {label[:120]}")
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shape", default="2x8192x16x128", help="batch x seq x heads x head_dim")
@@ -68,8 +73,7 @@ def main(argv=None):
     with open(os.path.join(args.out, "hlo.txt"), "w") as f:
         f.write(hlo)
     sites = kernel_sites(hlo)
-    for computation, role, label in sites:
-        print(f"{role:16s} {computation:40s} {label[:120]}")
+    print_sites(sites)
     return sites
 
 

@@ -94,15 +94,14 @@ def part_delta(shape):
 def part_hlo(shape, backend, layers, out_dir):
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     from guard_cost import step_fn
-    from hlo_kernels import kernel_sites
+    from hlo_kernels import kernel_sites, print_sites
     b, s, h, d = shape
     x = jax.random.normal(jax.random.key(0), (b, s, h, d), jnp.bfloat16) * 0.1
     hlo = step_fn(backend, False, layers).lower(x).compile().as_text()
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, f"step_hlo_{backend}.txt"), "w") as f:
         f.write(hlo)
-    for computation, role, label in kernel_sites(hlo):
-        print(f"hlo {backend} {role:16s} {computation:40s} {label[:100]}")
+    print_sites(kernel_sites(hlo), prefix=f"hlo {backend} ")
     for line in hlo.splitlines():
         if "mosaic_gpu" in line and "custom-call(" in line:
             print("hlo-line", line.strip()[:400])
@@ -110,12 +109,12 @@ def part_hlo(shape, backend, layers, out_dir):
 
 def part_barrier(shape, layers, iters=10):
     """The step of backend="mosaic" as it is and with the Mosaic forward's outputs passed
-    through lax.optimization_barrier (a guess at what keeps XLA from launching it twice)."""
-    import statistics
+    through lax.optimization_barrier (run 50's A/B; attention.py has the barrier since, so both
+    rows now carry it and should read the same)."""
     import types
 
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-    from guard_cost import step_fn
+    from guard_cost import step_fn, step_ms
     from pallas_flash import attention
     from pallas_flash.mosaic import forward as mosaic_forward
     b, s, h, d = shape
@@ -128,13 +127,7 @@ def part_barrier(shape, layers, iters=10):
         fn = step_fn("mosaic", False, layers)
         hlo = fn.lower(x).compile().as_text()
         calls = sum("mosaic_gpu" in ln and "custom-call(" in ln for ln in hlo.splitlines())
-        jax.block_until_ready(fn(x))
-        times = []
-        for _ in range(iters):
-            t0 = time.perf_counter()
-            jax.block_until_ready(fn(x))
-            times.append(time.perf_counter() - t0)
-        print(f"barrier {name:8s} step {statistics.median(times) * 1e3:.3f} ms "
+        print(f"barrier {name:8s} step {step_ms(fn, x, iters):.3f} ms "
               f"({layers} layers), Mosaic custom calls in the HLO: {calls}", flush=True)
     attention._FORWARDS["mosaic"] = mosaic_forward
     attention._custom_vjp_attention.cache_clear()

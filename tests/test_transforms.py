@@ -186,26 +186,28 @@ def test_forward_kernel_outputs_pass_an_optimization_barrier():
             return h + pf.flash_attention(h, h, h, causal=True), None
         return jnp.sum(jax.lax.scan(layer, x, None, length=2)[0] ** 2)
 
-    fenced, kernels = [], []
+    kernels, fenced = set(), set()
+
+    def is_forward_kernel(eqn):
+        return eqn.primitive.name == "pallas_call" and "_fwd" in eqn.params["name"]
 
     def walk(jaxpr):
-        made = {}
+        made = {}  # id(var) -> id(the forward kernel equation that made it)
         for eqn in jaxpr.eqns:
-            if eqn.primitive.name == "pallas_call" and "_fwd" in eqn.params["name"]:
-                kernels.append(eqn.params["name"])
-                made.update((id(o), eqn.params["name"]) for o in eqn.outvars)
+            if is_forward_kernel(eqn):
+                kernels.add(id(eqn))
+                made.update((id(o), id(eqn)) for o in eqn.outvars)
+            if eqn.primitive.name in ("pjit", "jit"):  # a kernel staged inside a jit
+                inner = [e for e in eqn.params["jaxpr"].jaxpr.eqns if is_forward_kernel(e)]
+                if inner:
+                    made.update((id(o), id(inner[0])) for o in eqn.outvars)
             if eqn.primitive.name == "optimization_barrier":
-                fenced.extend(made[id(v)] for v in eqn.invars if id(v) in made)
+                fenced.update(made[id(v)] for v in eqn.invars if id(v) in made)
             for sub in jax.extend.core.jaxprs_in_params(eqn.params):
                 walk(sub)
-            # a kernel staged inside a jit: its outputs are the jit's outputs
-            if eqn.primitive.name in ("pjit", "jit") and any(
-                    e.primitive.name == "pallas_call" and "_fwd" in e.params["name"]
-                    for e in eqn.params["jaxpr"].jaxpr.eqns):
-                made.update((id(o), "jit") for o in eqn.outvars)
 
     walk(jax.make_jaxpr(jax.grad(loss))(q).jaxpr)
-    assert kernels and fenced, (kernels, fenced)
+    assert kernels and fenced == kernels, (len(kernels), len(fenced))
 
 
 def test_output_dot_matches_float64_rowsum():
