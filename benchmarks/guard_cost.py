@@ -12,9 +12,7 @@ for each backend, and reports the time per layer and the gap between "auto" and 
 gap is noise). Results go to <out>/guard_cost.json.
 
 `--guarded-cluster 1,2` times "auto" once per value, its head_dim 128 forward run in clusters
-of that many CTAs: guarded.forward runs unclustered because, timed call by call, a clustered
-launch inside the guard's lax.cond cost ~0.17 ms (NOTES.md run 47); this shows whether a
-training step pays that too.
+of that many CTAs (guarded.forward takes the Mosaic forward's own default otherwise).
 """
 
 from __future__ import annotations
@@ -74,8 +72,11 @@ def guarded_cluster(n: int):
         cfg = real.default_forward_config(head_dim, spec)
         return dataclasses.replace(cfg, cluster=n) if head_dim == 128 else cfg
 
-    guarded.mosaic_forward = types.SimpleNamespace(forward=real.forward,
-                                                   default_forward_config=config)
+    def forward(spec, q, *args, config=None):
+        return real.forward(spec, q, *args, config=config or _config(q.shape[-1], spec))
+
+    _config = config
+    guarded.mosaic_forward = types.SimpleNamespace(forward=forward, default_forward_config=config)
     attention._custom_vjp_attention.cache_clear()  # no trace of the other choice is reused
     try:
         yield
@@ -91,7 +92,7 @@ def main(argv=None):
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--backends", default="auto,mosaic,triton")
     p.add_argument("--causal", default="0,1")
-    p.add_argument("--guarded-cluster", default="1",
+    p.add_argument("--guarded-cluster", default="2",
                    help='"auto" forward cluster sizes to time at head_dim 128, e.g. 1,2')
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     args = p.parse_args(argv)
@@ -115,9 +116,10 @@ def main(argv=None):
             rows.append(row)
             print(" ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}"
                            for k, v in row.items()), flush=True)
+    first_cluster = int(args.guarded_cluster.split(",")[0])
     for causal in {r["causal"] for r in rows}:
         by = {r["backend"]: r.get("step_ms") for r in rows
-              if r["causal"] == causal and r["guarded_cluster"] == 1}
+              if r["causal"] == causal and r["guarded_cluster"] == first_cluster}
         if by.get("auto") and by.get("mosaic"):
             gap = (by["auto"] - by["mosaic"]) / args.layers
             print(f"causal={causal}: auto - mosaic = {gap:.3f} ms per layer "

@@ -14,22 +14,31 @@ non-finite q or k entry lands in S, which every mask overwrites); in the backwar
 k, v and dO can. So when those operands are all finite, which is every healthy training step,
 the Mosaic kernels run; otherwise the Triton kernels do, and give the exact per-row NaNs.
 
-Cost: one read of V in the forward pass and of q, k, v, dO in the backward pass, reduced to one
-flag by XLA before the kernel, and a `lax.cond` between two compiled kernels (both are compiled;
-one runs; under jax.vmap one flag covers the whole vmapped batch, see `_checked`). The benchmark
-shows it as the gap between its `pallas_flash` (auto) and `pallas_flash_mosaic` (forced,
-unchecked) rows. ``backend="mosaic"`` skips the check.
+Cost: the check reads V in the forward pass, and q, k, v and the preprocess's D in the backward
+pass (D = rowsum(dO * O) - dlse is non-finite wherever dO is: inf * 0 and NaN both give NaN, so
+D stands in for dO at a thousandth of its size; a D that overflows only sends the call to the
+Triton kernels). Then both kernels are launched, the Triton one predicated on the flag
+(triton.common.predicated): when the operands are finite its programs return at once, and its
+outputs, aliased to the Mosaic kernels', keep theirs. No branch, so no host round trip for a
+predicate, and the Mosaic kernels launch at the top level of the program (a `lax.cond` between
+the two cost 0.03-0.09 ms a forward call on the H200 and made a clustered launch slower still,
+NOTES.md runs 47 and 52; a loop of zero or one trips after the Mosaic kernel, run 48-52, read its
+predicate only after the kernel ended). A non-finite operand pays for both kernels. Under
+jax.vmap one flag covers the whole vmapped batch. The benchmark shows the cost as the gap
+between its `pallas_flash` (auto) and `pallas_flash_mosaic` (forced, unchecked) rows.
+``backend="mosaic"`` skips the check.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jax import custom_batching, lax
+from jax import custom_batching
 
 from pallas_flash.mosaic import backward as mosaic_backward
 from pallas_flash.mosaic import forward as mosaic_forward
 from pallas_flash.spec import AttentionSpec
+from pallas_flash.stats import output_dot
 from pallas_flash.triton import backward as triton_backward
 from pallas_flash.triton import forward as triton_forward
 
@@ -42,59 +51,60 @@ def all_finite(*arrays) -> jnp.ndarray:
     return flags[0] if len(flags) == 1 else jnp.stack(flags).all()
 
 
-def _checked(check, fast, safe):
-    """A function of *args that runs fast(*args) if check(*args) else safe(*args): one branch
-    only, also under jax.vmap.
+def _predicated(check, fast, safe):
+    """A function of *args: fast(*args), then safe(skip=check(*args), into=fast's result,
+    *args), which keeps fast's result when the check passes.
 
-    Why a cond before the kernels: the alternative, the Mosaic kernel always and the Triton one in
-    a loop of zero or one trips after it (no kernel inside a branch, and no copy of the result),
-    ran 0.06-0.07 ms slower a forward call on the H200 (NOTES.md run 52: the loop's predicate is
-    read on the host only after the Mosaic kernel ends, where the cond's is read after the short
-    check) and no faster in an 8-layer training step (run 48).
-
-    Plain `lax.cond` under vmap gets a per-example flag and becomes a select that runs both
-    kernels on the whole batch. The vmap rule instead takes one flag for the whole vmapped batch
-    and vmaps the chosen kernel: one non-finite example sends the batch to the safe kernels,
-    which are right for every example.
+    Under vmap the rule takes one flag for the whole vmapped batch: a per-example flag would
+    batch the predicated kernel's flag, which Pallas's batching would fold into a grid axis
+    of its own. One non-finite example sends the whole batch to the safe kernels, which are
+    right for every example.
     """
 
     @custom_batching.custom_vmap
     def run(*args):
-        return lax.cond(check(*args), fast, safe, *args)
+        return safe(check(*args), fast(*args), *args)
 
     @run.def_vmap
     def _batched(axis_size, in_batched, *args):
         del axis_size
         in_axes = tuple(jax.tree.map(lambda b: 0 if b else None, in_batched))
-        out = lax.cond(check(*args), jax.vmap(fast, in_axes=in_axes),
-                       jax.vmap(safe, in_axes=in_axes), *args)
+        into = jax.vmap(fast, in_axes=in_axes)(*args)
+        out = jax.vmap(safe, in_axes=(None, 0) + in_axes)(check(*args), into, *args)
         return out, jax.tree.map(lambda _: True, out)
 
     return run
 
 
 def forward(spec: AttentionSpec, q, k, v, q_ids=None, kv_ids=None):
-    """(O, RowStats): the Mosaic forward when V is finite, else the Triton forward.
+    """(O, RowStats): the Mosaic forward's when V is finite, else the Triton forward's.
 
-    The Mosaic forward runs with its unclustered default (`default_forward_config` without the
-    spec): inside this lax.cond a launch in clusters of two cost ~0.17 ms a call on the H200,
-    more than clusters gain at 8k (NOTES.md runs 46-47: 2x8192x16x128 non-causal 1.95 ms here
-    against 1.78 ms unguarded; 1.85 ms unclustered here in session 8). Unguarded
-    (backend="mosaic") calls keep the clustered default.
+    The Mosaic forward takes its own default tiles (clusters of two where they pay,
+    `mosaic.forward.default_forward_config`): it launches outside any branch.
     """
-    config = mosaic_forward.default_forward_config(q.shape[-1])
-    return _checked(lambda q, k, v, *_: all_finite(v),
-                    lambda *a: mosaic_forward.forward(spec, *a, config=config),
-                    lambda *a: triton_forward.forward(spec, *a))(q, k, v, q_ids, kv_ids)
+    return _predicated(
+        lambda q, k, v, *_: all_finite(v),
+        lambda *a: mosaic_forward.forward(spec, *a),
+        lambda skip, into, *a: triton_forward.forward(spec, *a, skip=skip, into=into),
+    )(q, k, v, q_ids, kv_ids)
 
 
 def backward(spec: AttentionSpec, q, k, v, out, stats, do, dlse, q_ids=None, kv_ids=None):
-    """(dq, dk, dv): the Mosaic backward when q, k, v and dO are finite, else the Triton one.
+    """(dq, dk, dv): the Mosaic backward's when q, k, v and dO are finite, else the Triton one's.
 
-    A non-finite O or row statistic follows from a non-finite q, k or v (O is a convex combination
-    of v), so those are not checked separately; dlse enters one row's D and stays in that row.
+    A non-finite O or row statistic follows from a non-finite q, k or v (O is a convex
+    combination of v), so those are not checked separately; dlse enters D with dO, and the
+    check reads D (module docstring). Both backwards take this D, formed once.
     """
-    return _checked(lambda q, k, v, out, stats, do, *_: all_finite(q, k, v, do),
-                    lambda *a: mosaic_backward.backward(spec, *a),
-                    lambda *a: triton_backward.backward(spec, *a))(
-                        q, k, v, out, stats, do, dlse, q_ids, kv_ids)
+    delta = output_dot(out, do, dlse, jnp.float32)
+
+    def fast(q, k, v, out, stats, do, dlse, q_ids, kv_ids, delta):
+        return mosaic_backward.backward(spec, q, k, v, out, stats, do, dlse, q_ids, kv_ids,
+                                        delta=delta)
+
+    def safe(skip, into, q, k, v, out, stats, do, dlse, q_ids, kv_ids, delta):
+        return triton_backward.backward(spec, q, k, v, out, stats, do, dlse, q_ids, kv_ids,
+                                        delta=delta, skip=skip, into=into)
+
+    return _predicated(lambda q, k, v, *rest: all_finite(q, k, v, rest[-1]), fast, safe)(
+        q, k, v, out, stats, do, dlse, q_ids, kv_ids, delta)

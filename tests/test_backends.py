@@ -117,23 +117,92 @@ def test_auto_is_told_whether_the_caller_chose_tiles(monkeypatch):
     assert seen == [False, True]
 
 
-def test_guarded_forward_runs_unclustered(monkeypatch):
-    # Inside the guard's lax.cond a clustered launch costs more than it gains (guarded.forward):
-    # the guarded forward asks for the unclustered config where the plain default clusters.
+def test_guarded_forward_runs_mosaic_default_then_predicated_triton(monkeypatch):
+    # guarded.forward: the Mosaic forward with its own default tiles (clusters of two where
+    # they pay), then the Triton forward launched with the finiteness flag and the Mosaic
+    # result to keep.
     seen = []
 
-    def spy(spec, q, k, v, q_ids=None, kv_ids=None, config=None):
-        seen.append((mosaic_forward.default_forward_config(q.shape[-1], spec).cluster,
-                     config.cluster))
+    def mosaic_spy(spec, q, k, v, q_ids=None, kv_ids=None, config=None):
+        seen.append(("mosaic", config))
         return triton_forward.forward(spec, q, k, v, q_ids, kv_ids)
 
-    monkeypatch.setattr(guarded, "mosaic_forward",
-                        types.SimpleNamespace(forward=spy, default_forward_config=
-                                              mosaic_forward.default_forward_config))
-    q, k, v, _ = random_inputs(jax.random.PRNGKey(93), 1, 128, 128, 2, 2, 128, jnp.bfloat16)
-    spec = _spec(128, 128, 128, jnp.bfloat16, interpret=False)
+    def triton_spy(spec, q, k, v, q_ids=None, kv_ids=None, *, skip=None, into=None):
+        seen.append(("triton", skip.dtype, skip.shape, jax.tree.map(jnp.shape, into)))
+        return triton_forward.forward(spec, q, k, v, q_ids, kv_ids, skip=skip, into=into)
+
+    monkeypatch.setattr(guarded, "mosaic_forward", types.SimpleNamespace(forward=mosaic_spy))
+    monkeypatch.setattr(guarded, "triton_forward", types.SimpleNamespace(forward=triton_spy))
+    q, k, v, _ = random_inputs(jax.random.PRNGKey(93), 1, 128, 128, 2, 2, 64, jnp.bfloat16)
+    spec = _spec(128, 128, 64, jnp.bfloat16)
     jax.eval_shape(lambda q, k, v: guarded.forward(spec, q, k, v), q, k, v)
-    assert seen == [(2, 1)], seen
+    out_shapes = ((1, 128, 2, 64), ((1, 2, 128), (1, 2, 128)))
+    assert seen == [("mosaic", None), ("triton", jnp.dtype(bool), (), out_shapes)], seen
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_predicated_triton_forward_keeps_into_or_overwrites_all(skip):
+    # triton.forward with skip / into: skipped, the result is `into` bit for bit; not
+    # skipped, every output entry is the kernel's own (into is filled with values no
+    # attention result holds).
+    q, k, v, _ = random_inputs(jax.random.PRNGKey(94), 1, 100, 100, 2, 1, 64, jnp.bfloat16)
+    spec = _spec(100, 100, 64, jnp.bfloat16, causal=True, interpret=not ON_GPU)
+    want_out, want_stats = triton_forward.forward(spec, q, k, v)
+    into = (jnp.full_like(want_out, 7.0),
+            type(want_stats)(jnp.full_like(want_stats.m, 3.0), jnp.full_like(want_stats.r, 5.0)))
+    got_out, got_stats = jax.jit(
+        lambda s, q, k, v, i: triton_forward.forward(spec, q, k, v, skip=s, into=i))(
+            jnp.bool_(skip), q, k, v, into)
+    expect = jax.tree.leaves(into if skip else (want_out, want_stats))
+    for got, want in zip(jax.tree.leaves((got_out, got_stats)), expect):
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_predicated_triton_backward_keeps_into_or_overwrites_all(skip):
+    # triton.backward with skip / into (both kernels predicated), as the forward above; GQA, a
+    # partial last block.
+    q, k, v, do = random_inputs(jax.random.PRNGKey(96), 1, 100, 100, 4, 2, 64, jnp.bfloat16)
+    spec = _spec(100, 100, 64, jnp.bfloat16, causal=True, interpret=not ON_GPU)
+    out, stats = triton_forward.forward(spec, q, k, v)
+    dlse = jax.random.normal(jax.random.PRNGKey(97), stats.m.shape)
+    want = triton_backward.backward(spec, q, k, v, out, stats, do, dlse)
+    into = tuple(jnp.full_like(g, 7.0) for g in want)
+    got = jax.jit(lambda s, *a: triton_backward.backward(spec, *a, skip=s, into=into))(
+        jnp.bool_(skip), q, k, v, out, stats, do, dlse)
+    for g, w in zip(got, into if skip else want):
+        np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
+
+
+def test_preprocess_is_nonfinite_wherever_do_is():
+    # guarded.backward checks D = rowsum(dO * O) - dlse in place of dO: an inf or NaN of dO
+    # must make its row of D non-finite, also where O is 0 there (inf * 0 = NaN).
+    from pallas_flash.stats import output_dot
+
+    keys = jax.random.split(jax.random.PRNGKey(98), 3)
+    out = jax.random.normal(keys[0], (1, 16, 2, 64), jnp.bfloat16)
+    do = jax.random.normal(keys[1], (1, 16, 2, 64), jnp.bfloat16)
+    dlse = jax.random.normal(keys[2], (1, 2, 16), jnp.float32)
+    out = out.at[0, 3, 1, 5].set(0.0)
+    for bad in (jnp.inf, -jnp.inf, jnp.nan):
+        for row, col in ((3, 5), (9, 0)):  # O is 0 at (3, 5), nonzero at (9, 0)
+            d = output_dot(out, do.at[0, row, 1, col].set(bad), dlse, jnp.float32)
+            finite = np.isfinite(np.asarray(d))
+            assert not finite[0, 1, row], (bad, row)
+            finite[0, 1, row] = True
+            assert finite.all(), (bad, row)
+    assert np.isfinite(np.asarray(output_dot(out, do, dlse, jnp.float32))).all()
+
+
+def test_predicated_triton_forward_checks_its_arguments():
+    q, k, v, _ = random_inputs(jax.random.PRNGKey(95), 1, 16, 16, 1, 1, 64, jnp.bfloat16)
+    spec = _spec(16, 16, 64, jnp.bfloat16, interpret=not ON_GPU)
+    out, stats = triton_forward.forward(spec, q, k, v)
+    with pytest.raises(ValueError, match="skip and into"):
+        triton_forward.forward(spec, q, k, v, skip=jnp.bool_(True))
+    with pytest.raises(ValueError, match="into holds"):
+        triton_forward.forward(spec, q, k, v, skip=jnp.bool_(True),
+                               into=(out.astype(jnp.float32), stats))
 
 
 def _leaky_stand_in():
@@ -148,8 +217,9 @@ def _leaky_stand_in():
         out, row_stats = triton_forward.forward(spec, q, k, v, q_ids, kv_ids)
         return (out + stand_in.mark + poison(v)).astype(out.dtype), row_stats
 
-    def backward(spec, q, k, v, out, row_stats, do, dlse, q_ids=None, kv_ids=None):
-        grads = triton_backward.backward(spec, q, k, v, out, row_stats, do, dlse, q_ids, kv_ids)
+    def backward(spec, q, k, v, out, row_stats, do, dlse, q_ids=None, kv_ids=None, delta=None):
+        grads = triton_backward.backward(spec, q, k, v, out, row_stats, do, dlse, q_ids, kv_ids,
+                                         delta=delta)
         return tuple((g + stand_in.mark + poison(q, k, v, do)).astype(g.dtype) for g in grads)
 
     stand_in = types.SimpleNamespace(
@@ -224,10 +294,20 @@ def test_guarded_backend_confines_nonfinite_inputs_like_triton(which, mosaic_ker
     assert np.isfinite(triton[0][0, :40]).all()
 
 
+def _all_eqns(jaxpr):
+    """Every equation of jaxpr and of the jaxprs nested in it."""
+    import jax.extend
+
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            yield from _all_eqns(sub)
+
+
 @needs_mosaic
-def test_guarded_backend_under_vmap_runs_one_branch(mosaic_kernels):
-    # Under jax.vmap a plain lax.cond gets a per-example flag and becomes a select that runs
-    # both kernels; the guard's vmap rule keeps one cond for the whole vmapped batch. With a NaN
+def test_guarded_backend_under_vmap_takes_one_flag(mosaic_kernels):
+    # Under jax.vmap a per-example flag would be batched into the predicated Triton launches;
+    # the guard's vmap rule keeps one flag for the whole vmapped batch. With a NaN
     # in one example the whole batch takes Triton's kernels, so every example equals Triton's.
     stand_in = mosaic_kernels
     q, k, v, do = random_inputs(jax.random.PRNGKey(92), 2, 128, 128, 4, 2, 64, jnp.bfloat16)
@@ -244,10 +324,14 @@ def test_guarded_backend_under_vmap_runs_one_branch(mosaic_kernels):
         return jax.vmap(one)
 
     jaxpr = jax.make_jaxpr(grads("guarded"))(q, k, v, do).jaxpr
-    top = [eqn.primitive.name for eqn in jaxpr.eqns]
-    inner = [eqn.primitive.name for eqn in jaxpr.eqns
-             for sub in jax.extend.core.jaxprs_in_params(eqn.params) for eqn in sub.eqns]
-    assert "cond" in top + inner and "select_n" not in top, top
+    # Each predicated Triton launch reads one flag for the batch, not one per example (a
+    # batched flag would be [2, 1]).
+    flags = {eqn.params["name"]: var.aval.shape for eqn in _all_eqns(jaxpr)
+             if eqn.primitive.name == "pallas_call" and eqn.params["name"].startswith(
+                 "pallas_flash_") and "mosaic" not in eqn.params["name"]
+             for var in eqn.invars if var.aval.dtype == jnp.int32}
+    assert flags == {"pallas_flash_fwd": (1,), "pallas_flash_bwd_dkdv": (1,),
+                     "pallas_flash_bwd_dq": (1,)}, flags
     for got, want in zip(grads("guarded")(q, k, v, do), grads("mosaic")(q, k, v, do)):
         np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
     if stand_in is not None:

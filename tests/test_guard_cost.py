@@ -5,6 +5,8 @@ here: interpret mode)."""
 from __future__ import annotations
 
 import json
+
+import jax.numpy as jnp
 from pathlib import Path
 
 from helpers import example_module
@@ -29,7 +31,17 @@ def test_guarded_cluster_switches_autos_forward_and_restores_it():
     from pallas_flash import guarded
     real = guarded.mosaic_forward
     with example_module(_SCRIPT, "guard_cost_script") as gc:
-        with gc.guarded_cluster(2):
-            assert guarded.mosaic_forward.default_forward_config(128).cluster == 2
+        with gc.guarded_cluster(1):
+            assert guarded.mosaic_forward.default_forward_config(128).cluster == 1
             assert guarded.mosaic_forward.default_forward_config(64).cluster == 1
+        seen = []
+        with gc.guarded_cluster(2):
+            real_forward = real.forward
+            try:
+                real.forward = lambda spec, q, *a, config=None: seen.append(config.cluster)
+                guarded.mosaic_forward.forward(None, jnp.zeros((1, 8, 1, 128)))
+                guarded.mosaic_forward.forward(None, jnp.zeros((1, 8, 1, 64)))
+            finally:
+                real.forward = real_forward
+        assert seen == [2, 1], seen
         assert guarded.mosaic_forward is real

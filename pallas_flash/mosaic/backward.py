@@ -690,12 +690,13 @@ def _segment_operands(row_ids, col_ids, row_pad, col_pad, *, cta_rows: int, n_ct
 
 
 def backward(spec: AttentionSpec, q, k, v, out, stats: RowStats, do, dlse, q_ids=None,
-             kv_ids=None, *, config: MosaicBackwardConfig | None = None):
+             kv_ids=None, *, config: MosaicBackwardConfig | None = None, delta=None):
     """(dq, dk, dv) in the dtypes of q, k, v (contract of triton.backward.backward).
 
     stats: the forward's row statistics; dlse: the cotangent of the public lse (zeros if unused).
     q_ids, kv_ids: int32 segment ids with padding lengths folded in (masking.fold_lengths),
     given exactly when spec.has_segments.
+    delta: the preprocess's D (stats.output_dot, float32), if already formed.
     Raises NotImplementedError for anything these kernels do not serve (`unsupported_reason`).
     """
     batch, seq_q, q_heads, head_dim = q.shape
@@ -715,7 +716,8 @@ def backward(spec: AttentionSpec, q, k, v, out, stats: RowStats, do, dlse, q_ids
     # read as +inf so that its P is exactly 0. m, r and D travel together, [b, hq, 3, seq_q],
     # padded to whole q tiles of both kernels with (m, r, D) = (0, +inf, 0): rows past seq_q
     # (zeros from the TMA) then have P = 0 and dS = 0, with no mask.
-    delta = output_dot(out, do, dlse, jnp.float32)
+    if delta is None:
+        delta = output_dot(out, do, dlse, jnp.float32)
     r = stats.r.astype(jnp.float32)
     r = jnp.where(r == -jnp.inf, jnp.inf, r)
     q_mult = _lcm(cfg.dkdv_block_q, cfg.dq_block_q())

@@ -66,7 +66,7 @@ def _ds_product(spec, ds, x, *, trans_a=False):
 
 
 def _dkdv_kernel(*refs, spec: AttentionSpec, group: int, block_q: int, block_kv: int,
-                 head_dim: int):
+                 head_dim: int, tile=None):
     (q_ref, k_ref, v_ref, do_ref, m_ref, r_ref, delta_ref), segment_refs, (dk_ref, dv_ref) = (
         common.split_refs(refs, 7, spec.has_segments))
     q_ids_ref, kv_ids_ref, lo_ref, hi_ref = segment_refs
@@ -75,7 +75,7 @@ def _dkdv_kernel(*refs, spec: AttentionSpec, group: int, block_q: int, block_kv:
     d_pad = q_ref.shape[-1]
     cols = common.column_mask(head_dim, d_pad)
 
-    kv_start = pl.program_id(0) * block_kv
+    kv_start = (pl.program_id(0) if tile is None else tile) * block_kv
     k_pos = common.row_positions(kv_start, block_kv)
     k = common.load_tile(k_ref, kv_start, block_kv, mask.seq_kv, cols)
     v = common.load_tile(v_ref, kv_start, block_kv, mask.seq_kv, cols)
@@ -118,7 +118,8 @@ def _dkdv_kernel(*refs, spec: AttentionSpec, group: int, block_q: int, block_kv:
     common.store_tile(dv_ref, kv_start, block_kv, mask.seq_kv, cols, dv)
 
 
-def _dq_kernel(*refs, spec: AttentionSpec, block_q: int, block_kv: int, head_dim: int):
+def _dq_kernel(*refs, spec: AttentionSpec, block_q: int, block_kv: int, head_dim: int,
+               tile=None):
     (q_ref, k_ref, v_ref, do_ref, m_ref, r_ref, delta_ref), segment_refs, (dq_ref,) = (
         common.split_refs(refs, 7, spec.has_segments))
     q_ids_ref, kv_ids_ref, lo_ref, hi_ref = segment_refs
@@ -127,7 +128,7 @@ def _dq_kernel(*refs, spec: AttentionSpec, block_q: int, block_kv: int, head_dim
     d_pad = q_ref.shape[-1]
     cols = common.column_mask(head_dim, d_pad)
 
-    q_start = pl.program_id(0) * block_q
+    q_start = (pl.program_id(0) if tile is None else tile) * block_q
     q_pos = common.row_positions(q_start, block_q)
     q = common.load_tile(q_ref, q_start, block_q, mask.seq_q, cols)
     do = common.load_tile(do_ref, q_start, block_q, mask.seq_q, cols)
@@ -160,12 +161,18 @@ def _dq_kernel(*refs, spec: AttentionSpec, block_q: int, block_kv: int, head_dim
 
 
 def backward(spec: AttentionSpec, q, k, v, out, stats: RowStats, do, dlse, q_ids=None,
-             kv_ids=None):
+             kv_ids=None, *, delta=None, skip=None, into=None):
     """(dq, dk, dv) in the dtypes of q, k, v.
 
     stats: the forward's row statistics (stats.RowStats); dlse: the cotangent of the public lse
     (zeros if unused).
+    delta: the preprocess's D (stats.output_dot in the accumulator dtype), if already formed.
+    skip, into: a predicated launch of both kernels (common.predicated): skip a boolean scalar,
+    into (dq, dk, dv) of this function's shapes and dtypes; the result is `into` when skip is
+    true. Both or neither.
     """
+    if (skip is None) != (into is None):
+        raise ValueError("skip and into are given together or not at all")
     batch, seq_q, q_heads, head_dim = q.shape
     seq_kv, kv_heads = k.shape[1], k.shape[2]
     group = q_heads // kv_heads
@@ -173,7 +180,8 @@ def backward(spec: AttentionSpec, q, k, v, out, stats: RowStats, do, dlse, q_ids
     acc_dtype = common.accumulator_dtype(q.dtype)
 
     # The preprocess: one XLA pass over O and dO, [batch, q_heads, seq_q].
-    delta = output_dot(out, do, dlse, acc_dtype)
+    if delta is None:
+        delta = output_dot(out, do, dlse, acc_dtype)
     compiler = lambda cfg: plgpu.CompilerParams(num_warps=cfg.num_warps,  # noqa: E731
                                                 num_stages=cfg.num_stages)
 
@@ -192,13 +200,18 @@ def backward(spec: AttentionSpec, q, k, v, out, stats: RowStats, do, dlse, q_ids
         seg_specs, seg_args = common.segment_operands(q_ids, kv_ids, lo, hi)
         in_specs += seg_specs
         args += seg_args
-    dk, dv = pl.pallas_call(
+    out_shape = [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)]
+    kernel, in_specs, args, aliases = common.predicated(
         functools.partial(_dkdv_kernel, spec=spec, group=group, block_q=block_q,
                           block_kv=block_kv, head_dim=head_dim),
+        in_specs, args, [own_kv, own_kv], out_shape, skip, None if into is None else into[1:])
+    dk, dv = pl.pallas_call(
+        kernel,
         grid=(pl.cdiv(seq_kv, block_kv), batch, kv_heads),
         in_specs=in_specs,
         out_specs=[own_kv, own_kv],
-        out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
+        out_shape=out_shape,
+        input_output_aliases=aliases,
         compiler_params=compiler(cfg),
         interpret=spec.interpret,
         name="pallas_flash_bwd_dkdv",
@@ -218,13 +231,18 @@ def backward(spec: AttentionSpec, q, k, v, out, stats: RowStats, do, dlse, q_ids
         seg_specs, seg_args = common.segment_operands(q_ids, kv_ids, lo, hi)
         in_specs += seg_specs
         args += seg_args
-    dq = pl.pallas_call(
+    out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype)]
+    kernel, in_specs, args, aliases = common.predicated(
         functools.partial(_dq_kernel, spec=spec, block_q=block_q, block_kv=block_kv,
                           head_dim=head_dim),
+        in_specs, args, [own_q], out_shape, skip, None if into is None else into[:1])
+    (dq,) = pl.pallas_call(
+        kernel,
         grid=(pl.cdiv(seq_q, block_q), batch, q_heads),
         in_specs=in_specs,
-        out_specs=own_q,
-        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        out_specs=[own_q],
+        out_shape=out_shape,
+        input_output_aliases=aliases,
         compiler_params=compiler(cfg),
         interpret=spec.interpret,
         name="pallas_flash_bwd_dq",

@@ -223,3 +223,38 @@ def three_phase_loop(bounds, body, carry):
     carry = jax.lax.fori_loop(lo, full_lo, lambda j, c: body(j, c, True), carry)
     carry = jax.lax.fori_loop(full_lo, full_hi, lambda j, c: body(j, c, False), carry)
     return jax.lax.fori_loop(full_hi, hi, lambda j, c: body(j, c, True), carry)
+
+
+def predicated(kernel, in_specs, args, out_specs, out_shape, skip, into):
+    """(kernel, in_specs, args, input_output_aliases) for a pallas_call launched predicated on
+    `skip` (a boolean scalar), or the arguments unchanged when skip is None.
+
+    Predicated: every program first reads the flag and returns at once when it is set, and
+    the outputs alias `into` (arrays of out_shape's shapes and dtypes), so a skipped launch
+    leaves `into` as the result and a launch that is not skipped writes every output entry
+    (every kernel here stores its whole output). pallas_flash/guarded.py launches the Triton
+    kernels so after the Mosaic ones: no branch, so no host round trip for a predicate.
+    `kernel` takes `tile=` (its program id on grid axis 0), read here outside the flag's
+    branch: Pallas's interpret mode (jax 0.11.2) substitutes program_id only outside control
+    flow.
+    """
+    if (skip is None) != (into is None):
+        raise ValueError("skip and into are given together or not at all")
+    if skip is None:
+        return kernel, in_specs, args, {}
+    into = list(into)
+    for x, want in zip(into, out_shape, strict=True):
+        if x.shape != want.shape or x.dtype != want.dtype:
+            raise ValueError(f"into holds {x.dtype}{list(x.shape)} where the kernel gives "
+                             f"{want.dtype}{list(want.shape)}")
+    n_out = len(out_shape)
+
+    def run(*refs):
+        skip_ref, kernel_refs = refs[-2 * n_out - 1], refs[:-2 * n_out - 1] + refs[-n_out:]
+        tile = pl.program_id(0)
+        pl.when(skip_ref[0] == 0)(lambda: kernel(*kernel_refs, tile=tile))
+
+    flag = jnp.asarray(skip, jnp.int32).reshape(1)
+    flag_spec = pl.BlockSpec((1,), lambda *_: (0,))
+    aliases = {len(args) + 1 + i: i for i in range(n_out)}
+    return run, [*in_specs, flag_spec, *out_specs], [*args, flag, *into], aliases

@@ -13,6 +13,8 @@ Key blocks that no query of the tile may see are never visited (masking.py gives
 blocks that every query sees fully skip the mask. A row that sees no key keeps m = -inf and
 l = 0, and leaves with O = 0, m = 0 and r = -inf: the running max is replaced by 0 wherever it
 is still -inf, so no inf - inf is ever formed.
+
+Predicated launch (`skip` and `into`, for pallas_flash/guarded.py): common.predicated.
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ from pallas_flash.triton import common
 __all__ = ["forward"]
 
 
-def _forward_kernel(*refs, spec: AttentionSpec, block_q: int, block_kv: int, head_dim: int):
+def _forward_kernel(*refs, spec: AttentionSpec, block_q: int, block_kv: int, head_dim: int,
+                    tile=None):
     (q_ref, k_ref, v_ref), segment_refs, (o_ref, m_ref, r_ref) = common.split_refs(
         refs, 3, spec.has_segments)
     q_ids_ref, kv_ids_ref, lo_ref, hi_ref = segment_refs
@@ -40,7 +43,7 @@ def _forward_kernel(*refs, spec: AttentionSpec, block_q: int, block_kv: int, hea
     acc_dtype = common.accumulator_dtype(q_ref.dtype)
     cols = common.column_mask(head_dim, q_ref.shape[-1])
 
-    q_start = pl.program_id(0) * block_q
+    q_start = (pl.program_id(0) if tile is None else tile) * block_q
     q_pos = common.row_positions(q_start, block_q)
     q = common.load_tile(q_ref, q_start, block_q, mask.seq_q, cols)
     q_ids = None
@@ -96,12 +99,15 @@ def _forward_kernel(*refs, spec: AttentionSpec, block_q: int, block_kv: int, hea
     plgpu.store(r_ref.at[index], jnp.log2(l).astype(r_ref.dtype), mask=ok)
 
 
-def forward(spec: AttentionSpec, q, k, v, q_ids=None, kv_ids=None):
+def forward(spec: AttentionSpec, q, k, v, q_ids=None, kv_ids=None, *, skip=None, into=None):
     """O [batch, seq_q, q_heads, head_dim] and the row statistics (stats.RowStats, each
     [batch, q_heads, seq_q]).
 
     q_ids/kv_ids: int32 [batch, seq] segment ids, with padding folded in (masking.py); given
     exactly when spec.has_segments.
+    skip, into: a predicated launch (common.predicated): skip a boolean scalar, into (O,
+    RowStats) of this function's shapes and dtypes; the result is `into` when skip is true.
+    Both or neither.
     """
     batch, seq_q, q_heads, head_dim = q.shape
     seq_kv, kv_heads = k.shape[1], k.shape[2]
@@ -127,20 +133,21 @@ def forward(spec: AttentionSpec, q, k, v, q_ids=None, kv_ids=None):
     kernel = functools.partial(
         _forward_kernel, spec=spec, block_q=block_q, block_kv=block_kv, head_dim=head_dim
     )
+    out_specs = [pl.BlockSpec((None, seq_q, None, d_pad), lambda i, b, h: (b, 0, h, 0)),
+                 per_row, per_row]
+    out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype),
+                 jax.ShapeDtypeStruct((batch, q_heads, seq_q), stats_dtype),
+                 jax.ShapeDtypeStruct((batch, q_heads, seq_q), stats_dtype)]
+    into = None if into is None else (into[0], into[1].m, into[1].r)
+    kernel, in_specs, args, aliases = common.predicated(kernel, in_specs, args, out_specs,
+                                                        out_shape, skip, into)
     out, m, r = pl.pallas_call(
         kernel,
         grid=(n_q_blocks, batch, q_heads),
         in_specs=in_specs,
-        out_specs=[
-            pl.BlockSpec((None, seq_q, None, d_pad), lambda i, b, h: (b, 0, h, 0)),
-            per_row,
-            per_row,
-        ],
-        out_shape=[
-            jax.ShapeDtypeStruct(q.shape, q.dtype),
-            jax.ShapeDtypeStruct((batch, q_heads, seq_q), stats_dtype),
-            jax.ShapeDtypeStruct((batch, q_heads, seq_q), stats_dtype),
-        ],
+        out_specs=out_specs,
+        out_shape=out_shape,
+        input_output_aliases=aliases,
         compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
         interpret=spec.interpret,
         name="pallas_flash_fwd",
