@@ -14,7 +14,8 @@ layer between the two, both ways:
              latency add to every call).
 
 Layers: the Mosaic backward alone (residuals precomputed); the guarded backward (the finiteness
-check of q, k, v, dO and the lax.cond around it); the public vjp closure under "auto" and under
+check of q, k, v, dO and, before session 11, the lax.cond around it; since then the check of
+q, k, v, D and the predicated Triton launch); the public vjp closure under "auto" and under
 backend="mosaic" (no check); cuDNN's vjp closure; and, alone, the XLA pieces around the kernel
 (the check, D = rowsum(dO O), the float32 dQ cast). A gap that appears per call only is host
 time (launch, descriptors); one that appears pipelined too is device time, and the pieces say

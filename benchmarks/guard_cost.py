@@ -2,10 +2,10 @@
 
     PYTHONPATH=. python3 benchmarks/guard_cost.py --out $OUT
 
-The benchmark times one attention call at a time, with a device sync after each, so it cannot
-show whether XLA keeps the `lax.cond` of pallas_flash/guarded.py on the device (CUDA-graph
-conditional nodes) or copies its flag to the host, which would stall the stream once per layer
-of a real step. This script times a jitted forward+backward of `--layers` stacked attention
+The benchmark times attention calls alone, so it cannot show what the guard of
+pallas_flash/guarded.py costs between the layers of a real step (session 10's `lax.cond` read
+its flag on the host once per layer; session 11's predicated Triton launch reads it on the
+device). This script times a jitted forward+backward of `--layers` stacked attention
 layers under `lax.scan` (each layer: x + attention(x, x, x), so the layers depend on each other)
 for each backend, and reports the time per layer and the gap between "auto" and the unchecked
 "mosaic" (on a GPU that is not sm_90, or on the CPU, both run Triton / the interpreter and the

@@ -62,7 +62,8 @@ def test_triton_and_auto_stage_their_kernels():
     q, k, v, _ = random_inputs(jax.random.PRNGKey(83), *SHAPE, jnp.bfloat16)
     names = kernel_names(lambda q: pf.flash_attention(q, k, v, backend="triton"), q)
     assert names == {"pallas_flash_fwd"}, names
-    # auto: on an H100/H200 both forwards are staged (a lax.cond picks one at run time);
+    # auto: on an H100/H200 both forwards are staged (the Triton one predicated on the finiteness
+    # flag, guarded.py);
     # elsewhere, and in interpret mode, Triton alone.
     names = kernel_names(lambda q: pf.flash_attention(q, k, v), q)
     want = {"pallas_flash_fwd", "pallas_flash_mosaic_fwd"} if IS_HOPPER else {"pallas_flash_fwd"}
@@ -234,7 +235,7 @@ def mosaic_kernels(monkeypatch, request):
     `_leaky_stand_in()` (returned, so a test can set its mark).
 
     Off Hopper a stand-in, because on our 2-core CI machine the suite hung intermittently while
-    Mosaic GPU's interpreter ran inside the guard's lax.cond (not root-caused; the interpreter
+    Mosaic GPU's interpreter ran inside the guard, then a lax.cond (not root-caused; the interpreter
     runs each warpgroup on its own thread). The guard's logic is what these tests test; on an
     H100/H200 the real kernels run them compiled.
     """
