@@ -138,7 +138,8 @@ class MosaicForwardConfig:
       (block_kv 256) 412 -> 411 / 383 -> 400; head_dim 256 (block_kv 64) 711 -> 680 / 694 ->
       633. So the default for compiled head_dim 128 calls without a position mask or segment
       ids (`default_forward_config` with a spec; the compiled suite passed with it, NOTES.md
-      run 43), except inside "auto"'s finiteness check (guarded.forward says why).
+      runs 43 and 56), under "auto" too since session 11 (its guard launches this kernel
+      outside any branch).
     """
 
     block_q: int = 64
