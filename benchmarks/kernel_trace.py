@@ -171,7 +171,10 @@ def main():
         fields = {}
         for pair in filter(None, args.config.split(",")):
             name, value = pair.split("=")
-            fields[name] = type(getattr(base, name))(int(value))
+            default = getattr(base, name)
+            # None-valued fields (e.g. fused_head_chunk) take ints, or "none" for the rule.
+            fields[name] = (None if value == "none" else
+                            int(value) if default is None else type(default)(int(value)))
         cfg = dataclasses.replace(base, **fields)
         folder = "fused_profile_dir" if args.which == "bwd" else "profile_dir"
         traced_cfg = dataclasses.replace(cfg, **{folder: args.trace_dir})
@@ -207,6 +210,9 @@ def main():
         with open(files[0]) as f:
             events = json.load(f)["traceEvents"]
         grid = dict(head=n_heads, tile=n_tiles, batch=case.batch)
+        if args.which == "bwd":     # the fused kernel's grid, head chunks included
+            grid = dict(zip(("head", "tile", "batch"), fb._grid(
+                n_heads, n_tiles, case.batch, fb.head_chunk(cfg, case.batch, n_heads))))
         row = dict(which=args.which, case=args.case, causal=causal, config=repr(cfg),
                    ms=t_plain * 1e3, events=len(events), mean_steps=float(np.mean(steps)),
                    **reduce_trace(events, grid, steps, args.which))

@@ -2,7 +2,7 @@
 
     PYTHONPATH=. python3 benchmarks/mosaic_tune.py --head-dims 128 --passes fwd,bwd --out DIR
 
-For each head_dim, at the benchmark's shape for it (batch 2, seq 8192; 16 heads at head_dim 128,
+For each head_dim, at the benchmark's shape for it (batch 2 or --batch, seq 8192; 16 heads at head_dim 128,
 32 at 64, 8 at 256), bf16, causal and not, it times
   - the Mosaic forward (`pallas_flash.mosaic.forward.forward`) for every candidate
     MosaicForwardConfig that fits shared memory, and cuDNN's forward;
@@ -75,6 +75,19 @@ def backward_candidates(head_dim: int) -> list[mb.MosaicBackwardConfig]:
     return out
 
 
+def _field_value(base, name: str, text: str):
+    """`text` as the type of config field `name`: 0/1 for bools, "none" for an optional field
+    (whose default is None, e.g. fused_head_chunk) left to its rule, else the default's type."""
+    default = getattr(base, name)
+    if text.lower() == "none":
+        return None
+    if isinstance(default, bool):
+        return bool(int(text))
+    if default is None:
+        return int(text)
+    return type(default)(text)
+
+
 def named_backward_configs(head_dim: int, text: str) -> list[mb.MosaicBackwardConfig]:
     """Configs from ';'-separated 'field=value,...' overrides of the head_dim's default."""
     out = []
@@ -83,8 +96,7 @@ def named_backward_configs(head_dim: int, text: str) -> list[mb.MosaicBackwardCo
         fields = {}
         for pair in filter(None, item.split(",")):
             name, value = pair.split("=")
-            kind = type(getattr(base, name))
-            fields[name] = bool(int(value)) if kind is bool else kind(value)
+            fields[name] = _field_value(base, name, value)
         out.append(dataclasses.replace(base, **fields))
     return out
 
@@ -100,6 +112,8 @@ def main():
                         "per-CTA costs separate across lengths)")
     p.add_argument("--heads", type=int, default=None, help="q heads (default: the head_dim's)")
     p.add_argument("--group", type=int, default=1, help="q heads per kv head (GQA)")
+    p.add_argument("--batch", type=int, default=2,
+                   help="batch size (1 for the batch-1 launch order, fused_head_chunk)")
     p.add_argument("--fwd-stages", default=None, help="forward stage counts, e.g. 2,3")
     p.add_argument("--fwd-pingpong", default="1,0", help="forward ping-pong, comma list of 0/1")
     p.add_argument("--fwd-overlap", default="0,1", help="forward overlap, comma list of 0/1")
@@ -139,7 +153,7 @@ def main():
             json.dump(record, f, indent=1)
 
     for d, s in itertools.product(dims, (int(x) for x in args.seq.split(","))):
-        b, h = 2, args.heads or HEADS[d]
+        b, h = args.batch, args.heads or HEADS[d]
         hkv = h // args.group
         ks = jax.random.split(jax.random.key(d), 4)
         q, k, v, do = (jax.random.normal(kk, (b, s, hh, d), jnp.float32).astype(jnp.bfloat16)

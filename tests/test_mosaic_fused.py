@@ -120,6 +120,74 @@ def test_matches_reference(b, sq, skv, hq, hkv, d, options):
             np.testing.assert_array_equal(np.asarray(g), np.asarray(h))
 
 
+# ---- the launch order at batch 1: heads interleaved tile by tile -------------------------------
+
+def _fused_grid(spec, args, cfg):
+    """The grid of the fused kernel's launch (from the staged jaxpr)."""
+    jaxpr = jax.make_jaxpr(lambda *a: mosaic.backward(spec, *a, config=cfg))(*args).jaxpr
+    grids = []
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.params.get("name") == fused.FUSED_KERNEL_NAME:
+                grids.append(tuple(eqn.params["meshes"][0].grid))
+            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+                walk(sub)
+
+    walk(jaxpr)
+    assert len(grids) == 1, grids
+    return grids[0]
+
+
+@pytest.mark.parametrize("chunk,batch,kv_heads,expected", [
+    (None, 1, 4, 2), (None, 1, 3, 1), (None, 2, 4, 1), (None, 1, 1, 1),
+    (1, 1, 4, 1), (4, 1, 8, 4), (2, 3, 2, 2)])
+def test_head_chunk_rule(chunk, batch, kv_heads, expected):
+    """By default two heads interleave at batch 1 (where the kv heads pair up), none at batch
+    >= 2, whose launch order already alternates between chains of dQ adds."""
+    cfg = dataclasses.replace(FUSED, fused_head_chunk=chunk)
+    assert fused.head_chunk(cfg, batch, kv_heads) == expected
+    # The grid: (head chunks, tiles, chunk x batch), 2 key tiles at seq 256.
+    q, k, v, _, stats, do, _ = backward_args(batch, 256, 256, 2 * kv_heads, kv_heads, 128,
+                                             jnp.bfloat16)
+    spec = mosaic_spec(256, 256, 128, jnp.bfloat16, causal=True, interpret=False)
+    assert _fused_grid(spec, (q, k, v, q, stats, do, stats.m), cfg) == (
+        kv_heads // expected, 2, expected * batch)
+
+
+def test_head_chunk_is_checked():
+    for bad in (0, -2, 1.5, True, "2"):
+        with pytest.raises(ValueError, match="fused_head_chunk"):
+            mosaic.MosaicBackwardConfig(fused_head_chunk=bad)
+    with pytest.raises(ValueError, match="fused_head_chunk=4 must divide .* 6"):
+        fused.head_chunk(dataclasses.replace(FUSED, fused_head_chunk=4), 1, 6)
+
+
+@needs_hopper
+def test_head_chunks_give_the_same_bits():
+    """The adds into a q block's dQ run in tile order whatever order the CTAs launch in: every
+    chunk gives the same gradients, bit for bit, and they match the reference. Compiled, the
+    CTAs of interleaved heads run at once and their semaphores interlock; in interpret mode
+    (one CTA at a time) this checks the grid's index arithmetic."""
+    b, s, hq, hkv, d, dtype = 1, 256, 4, 4, 128, jnp.bfloat16
+    q, k, v, do = random_inputs(jax.random.PRNGKey(65), b, s, s, hq, hkv, d, dtype)
+    dlse = jax.random.normal(jax.random.PRNGKey(66), (b, hq, s), jnp.float32)
+    spec = mosaic_spec(s, s, d, dtype, causal=True)
+    out, stats = triton_forward.forward(spec, q, k, v)
+    ref = reference_grads(q, k, v, do, dlse, causal=True)
+    first = None
+    for chunk in (1, 2, 4):
+        cfg = dataclasses.replace(FUSED, fused_head_chunk=chunk)
+        grads = jax.jit(lambda *a: mosaic.backward(spec, *a, config=cfg))(
+            q, k, v, out, stats, do, dlse)
+        if first is None:
+            first = grads
+            for name, g, r in zip(("dq", "dk", "dv"), grads, ref):
+                assert_close(f"{name} vs reference", g, r, TOLERANCE[jnp.dtype(dtype)])
+        for name, g, h in zip(("dq", "dk", "dv"), grads, first):
+            np.testing.assert_array_equal(np.asarray(g), np.asarray(h), err_msg=f"{name} {chunk}")
+
+
 # ---- dispatch and lowering --------------------------------------------------------------------
 
 @pytest.mark.parametrize("d,dtype,options,served", [
@@ -159,15 +227,17 @@ def test_shared_memory_is_checked():
         mosaic.MosaicBackwardConfig(fused_dq_slots=3)
 
 
-@pytest.mark.parametrize("d,causal,options", [
-    (128, True, {}), (128, False, dict(window=(100, 50), softcap=30.0)),
-    (64, True, {}), (64, False, dict(window=(100, 50), softcap=30.0))],
-    ids=["causal", "window-softcap", "causal-d64", "window-softcap-d64"])
-def test_lowers_for_sm90(d, causal, options):
+@pytest.mark.parametrize("b,d,causal,options", [
+    (2, 128, True, {}), (2, 128, False, dict(window=(100, 50), softcap=30.0)),
+    (2, 64, True, {}), (2, 64, False, dict(window=(100, 50), softcap=30.0)),
+    (1, 128, True, {})],
+    ids=["causal", "window-softcap", "causal-d64", "window-softcap-d64", "causal-b1-chunk2"])
+def test_lowers_for_sm90(b, d, causal, options):
     """The compiled kernel, semaphores and the writer's TMA reduce-add and early slot release
-    included (the interpreter runs none of them), lowers for sm_90."""
+    included (the interpreter runs none of them), lowers for sm_90; at batch 1 with two heads
+    interleaved (`fused_backward.head_chunk`)."""
     seq = 1001
-    q, k, v, _, stats, do, _ = backward_args(2, seq, seq, 4, 2, d, jnp.bfloat16)
+    q, k, v, _, stats, do, _ = backward_args(b, seq, seq, 4, 2, d, jnp.bfloat16)
     spec = mosaic_spec(seq, seq, d, jnp.bfloat16, causal=causal, interpret=False, **options)
     fn = jax.jit(lambda *a: mosaic.backward(spec, *a, config=FUSED))
     text = fn.trace(q, k, v, q, stats, do, stats.m).lower(

@@ -126,6 +126,15 @@ class MosaicBackwardConfig:
         shared memory), and compiled only: jax 0.11.2's GPU interpreter stalls on it with the
         second warpgroup never started (NOTES.md, session 9), so interpret mode runs the
         unpaired kernel; elsewhere it changes nothing. The head_dim 256 default.
+    fused_head_chunk: kv heads whose key tiles the fused kernel's launch order interleaves,
+        tile by tile (a divisor of the kv head count); None (the default) picks 2 at batch 1
+        where the kv heads are even, else 1 (`fused_backward.head_chunk`). Why: the grid
+        launches batch fastest, so at batch >= 2 consecutive CTAs belong to different chains
+        of ordered dQ adds, while at batch 1 they are consecutive links of one chain and each
+        waits on the one launched just before it. 1x16384 causal ran at 0.82-0.85x cuDNN
+        against 0.93-0.97x at 2x8192 (NOTES.md runs 54-58); two heads interleaved give batch 1
+        batch 2's order. (At batch 2, chunks of two or four heads were timed in run 25: +1.4%
+        at 8k, -2% at 16k causal; hence 1 there.)
     """
 
     dkdv_block_q: int = 64
@@ -140,6 +149,7 @@ class MosaicBackwardConfig:
     fused_dq_slots: int = 1
     fused_profile_dir: str = ""
     dkdv_paired: bool = False
+    fused_head_chunk: int | None = None
 
     def __post_init__(self):
         for name in ("dkdv_block_q", "dq_block_kv"):
@@ -157,6 +167,11 @@ class MosaicBackwardConfig:
         if self.dq_compute_wgs not in (1, 2):
             raise ValueError("MosaicBackwardConfig.dq_compute_wgs must be 1 or 2, "
                              f"got {self.dq_compute_wgs}")
+        chunk = self.fused_head_chunk
+        if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int)
+                                  or chunk < 1):
+            raise ValueError("MosaicBackwardConfig.fused_head_chunk must be None or a positive "
+                             f"int, got {chunk!r}")
 
     # ---- geometry -------------------------------------------------------------------------
 

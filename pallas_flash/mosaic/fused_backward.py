@@ -21,7 +21,9 @@ below it by one step instead of by the two-step diagonal offset per tile that an
 would build up (reasoned from the dependency chain; the upward walk was not timed). With GQA a
 CTA streams the blocks of every q head of its group; `_fused_body` says in which order.
 Interleaving a few heads' tiles in the launch order, to start a causal grid's long tiles
-first, gained 1.4% at 8k and lost 2% at 16k (NOTES.md run 25): not kept.
+first, gained 1.4% at 8k and lost 2% at 16k at batch 2 (NOTES.md run 25): not kept there. At
+batch 1 two heads are interleaved by default (`head_chunk`), so that consecutive launches
+alternate between two chains of adds, as batch 2's do.
 
 The CTA. 128 key rows, four warpgroups:
   * two compute warpgroups, 64 key rows each, in the transposed orientation of backward.py
@@ -82,7 +84,8 @@ from pallas_flash.mosaic.tiles import WG_ROWS, positions, product, transposed_we
 from pallas_flash.spec import AttentionSpec
 from pallas_flash.stats import LOG2E, logit_scale
 
-__all__ = ["FUSED_KERNEL_NAME", "fused_backward", "unsupported_reason", "smem_bytes"]
+__all__ = ["FUSED_KERNEL_NAME", "fused_backward", "head_chunk", "unsupported_reason",
+           "smem_bytes"]
 
 FUSED_KERNEL_NAME = "pallas_flash_mosaic_bwd_fused"
 CTA_KEYS = 2 * WG_ROWS      # key rows per CTA: one 64-row tile per compute warpgroup
@@ -138,6 +141,39 @@ def side_registers(compute_registers: int) -> int:
     return (REGISTER_POOL - 2 * compute_registers) // 2 // 8 * 8
 
 
+def head_chunk(cfg, batch: int, kv_heads: int) -> int:
+    """How many kv heads' key tiles the grid interleaves tile by tile
+    (`MosaicBackwardConfig.fused_head_chunk`): the config's value, else 2 at batch 1 where the
+    kv heads are even, else 1. The grid launches batch fastest, so at batch >= 2 neighbouring
+    CTAs already belong to different (batch, head) chains of ordered dQ adds; at batch 1 they
+    would be neighbouring links of one chain, each waiting on the CTA launched just before it.
+    """
+    chunk = cfg.fused_head_chunk
+    if chunk is None:
+        return 2 if batch == 1 and kv_heads % 2 == 0 else 1
+    if kv_heads % chunk:
+        raise ValueError(f"MosaicBackwardConfig.fused_head_chunk={chunk} must divide the "
+                         f"number of kv heads, {kv_heads}")
+    return chunk
+
+
+def _grid(kv_heads: int, n_tiles: int, batch: int, chunk: int):
+    """The fused kernel's grid (head chunk, tile, head in chunk x batch), last axis fastest:
+    within a tile the chunk's heads and the batch, then the next tile. Tiles of one (head,
+    batch) still launch in increasing order, which the ordered adds need (a tile waits only on
+    lower ones)."""
+    return (kv_heads // chunk, n_tiles, chunk * batch)
+
+
+def _position(mask, chunk: int, batch_size: int):
+    """(tile, kv head, batch, warpgroup) of this CTA in `_grid`."""
+    tile, head, inner, wg = grid_position(mask)
+    if chunk == 1:
+        return tile, head, inner, wg
+    return (tile, head * chunk + lax.div(inner, jnp.int32(batch_size)),
+            lax.rem(inner, jnp.int32(batch_size)), wg)
+
+
 def _first_tiles(mask, n_qblocks: int):
     """first(j), last(j): the key tiles (of CTA_KEYS rows) that see q block j, int32 [n]."""
     starts = jnp.arange(n_qblocks, dtype=jnp.int32) * BLOCK_Q
@@ -150,7 +186,7 @@ def _fused_body(q_ref, k_ref, v_ref, do_ref, st_ref, dk_ref, dv_ref, dq_ref,
                 k_loaded, v_loaded, q_loaded, do_loaded, st_loaded, slot_free,
                 ds_ready, dq_ready, dq_free, both_done, *interp_smem,
                 spec: AttentionSpec, cfg, group: int, head_dim: int, q_heads: int,
-                n_qblocks: int):
+                n_qblocks: int, chunk: int, batch_size: int):
     mask = spec.mask
     dtype = q_ref.dtype
     stages, slots = cfg.fused_stages, cfg.fused_dq_slots
@@ -158,7 +194,7 @@ def _fused_body(q_ref, k_ref, v_ref, do_ref, st_ref, dk_ref, dv_ref, dq_ref,
     c = logit_scale(spec) * LOG2E
     kv_len = mask.seq_kv if mask.seq_kv % WG_ROWS else None
 
-    tile, kv_head, batch, wg = grid_position(mask)
+    tile, kv_head, batch, wg = _position(mask, chunk, batch_size)
     kv_start = tile * CTA_KEYS
 
     # The q blocks any key of the CTA sees, last block first, once per q head of the group.
@@ -484,9 +520,11 @@ def _fused(q, k, v, do, rows, *, spec: AttentionSpec, cfg):
                     plgpu.SMEM((BLOCK_Q, head_dim), jnp.float32),
                     plgpu.Barrier()]
     kv_shape = jax.ShapeDtypeStruct(k.shape, dtype)
+    chunk = head_chunk(cfg, batch, kv_heads)
     dk, dv, dq_sum = plgpu.kernel(
         functools.partial(_fused_body, spec=spec, cfg=cfg, group=group, head_dim=head_dim,
-                          q_heads=q_heads, n_qblocks=n_qblocks),
+                          q_heads=q_heads, n_qblocks=n_qblocks, chunk=chunk,
+                          batch_size=batch),
         out_type=(kv_shape, kv_shape, jax.ShapeDtypeStruct(q.shape, jnp.float32)),
         scratch_types=scratch,
         # Pallas launches the last grid axis fastest: here batch, then tile, then head. Tiles
@@ -495,8 +533,9 @@ def _fused(q, k, v, do, rows, *, spec: AttentionSpec, cfg):
         # rows while those stay in L2. Measured on the H200 (2x8192x16, non-causal / causal
         # TFLOP/s): this order 503.6 / 443.1 (run 19); tile slowest 450.4 / 450.6 (run 21: a
         # wave spans 32 heads, and their dQ sums, 128 MB, no longer fit L2); tile fastest
-        # 494.1 / 412.5 (run 20).
-        grid=(kv_heads, n_tiles, batch),
+        # 494.1 / 412.5 (run 20). With a head chunk (`head_chunk`), the chunk's heads take
+        # turns within each tile as the batch does.
+        grid=_grid(kv_heads, n_tiles, batch, chunk),
         grid_names=("head", "tile", "batch"),
         num_threads=4,
         thread_name="wg",
