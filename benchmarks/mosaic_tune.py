@@ -119,7 +119,8 @@ def main():
     p.add_argument("--fwd-overlap", default="0,1", help="forward overlap, comma list of 0/1")
     p.add_argument("--fwd-registers", default="232/40",
                    help="forward compute/copy register budgets, e.g. 232/40,240/24")
-    p.add_argument("--fwd-cluster", default="1", help="forward CTAs per cluster, e.g. 1,2")
+    p.add_argument("--fwd-cluster", default="1",
+                   help="forward CTAs per cluster (1, 2 or 4), e.g. 1,2,4")
     p.add_argument("--fwd-block-kv", default=None, help="forward key blocks, e.g. 128")
     p.add_argument("--bwd-configs", default=None,
                    help="backward configs instead of the sweep: ';'-separated overrides of the "

@@ -22,6 +22,8 @@ from pallas_flash.masking import fold_lengths, make_mask_spec
 from pallas_flash.spec import AttentionSpec
 from pallas_flash.triton import forward as triton_forward
 
+from helpers import TOLERANCE, assert_close
+
 mosaic = importlib.import_module("pallas_flash.mosaic.forward")
 
 ON_GPU = jax.default_backend() == "gpu"
@@ -202,9 +204,9 @@ def test_features_match_reference_and_triton(b, sq, skv, hq, hkv, d, dtype, conf
                                           **mask_opts, **seg_kwargs, return_lse=True)
     tri, tri_st = triton_forward.forward(spec, q, k, v, **ids)
     tri_lse = stats.to_lse(spec, tri_st)
-    tol = 2e-2 if dtype == jnp.bfloat16 else 4e-3
+    tol = TOLERANCE[jnp.dtype(dtype)]
     out32 = out.astype(jnp.float32)
-    assert _rel(out32, ref) < tol
+    assert_close("O", out32, ref, tol)
     assert _rel(out32, tri.astype(jnp.float32)) < tol
     assert _rel(lse, ref_lse) < 1e-4
     assert _rel(lse, tri_lse) < 1e-4
@@ -236,10 +238,24 @@ def test_features_lower_for_sm90(sq, skv, opts):
     (dict(block_kv=96), "block_kv"),
     (dict(stages=1), "stages"),
     (dict(cluster=3), "cluster"),
+    (dict(cluster=8), "cluster"),
+    (dict(cluster=0), "cluster"),
 ])
 def test_config_validation(fields, match):
     with pytest.raises(ValueError, match=rf"MosaicForwardConfig\.{match} must be"):
         C(**fields)
+
+
+@pytest.mark.parametrize("block_kv", [64, 128, 192, 256])
+def test_config_accepts_cluster_4(block_kv):
+    # Every block_kv splits into 4 multicast slices of whole 8-row tiles (16 rows or more).
+    assert C(block_kv=block_kv, cluster=4).cluster == 4
+
+
+def _in_clusters(n, cases):
+    """FEATURE_CASES-style params with config.cluster = n (same ids)."""
+    return [pytest.param(*case.values[:7], dataclasses.replace(case.values[7], cluster=n),
+                         case.values[8], id=case.id) for case in cases]
 
 
 # config.cluster=2: two CTAs of adjacent tiles share each K / V block by TMA multicast, each
@@ -248,9 +264,7 @@ def test_config_validation(fields, match):
 # lagged-P V cases with cluster barriers); the CPU checks that it lowers for sm_90.
 @pytest.mark.skipif(not IS_HOPPER, reason="clusters and TMA multicast run compiled only "
                     "(test_cluster_lowers_for_sm90 covers the CPU)")
-@pytest.mark.parametrize("b,sq,skv,hq,hkv,d,dtype,config,opts", [
-    pytest.param(*case.values[:7], dataclasses.replace(case.values[7], cluster=2),
-                 case.values[8], id=case.id) for case in FEATURE_CASES] + [
+@pytest.mark.parametrize("b,sq,skv,hq,hkv,d,dtype,config,opts", _in_clusters(2, FEATURE_CASES) + [
     # 3 tiles of 128 rows (a fourth, empty, pads the last cluster), GQA, causal and not, at
     # the head_dim 128 default tiles.
     pytest.param(2, 300, 300, 4, 2, 128, jnp.bfloat16,
@@ -261,12 +275,43 @@ def test_cluster_matches_reference_and_triton(b, sq, skv, hq, hkv, d, dtype, con
     test_features_match_reference_and_triton(b, sq, skv, hq, hkv, d, dtype, config, opts)
 
 
-@pytest.mark.parametrize("d,causal,has_segments", [(128, True, True), (64, False, False)])
-def test_cluster_lowers_for_sm90(d, causal, has_segments):
-    sq = skv = 1000    # 8 tiles of 128 rows: 4 clusters
+# config.cluster=4: the same kernel, each copy warpgroup multicasting a quarter of every block
+# (16 rows at block_kv 64), and up to 3 empty tiles padding the last cluster. Compiled only, as
+# above; the tile counts 3 and 5 (sq 300 and 600) pad the grid with 1 and 3 empty tiles.
+@pytest.mark.skipif(not IS_HOPPER, reason="clusters and TMA multicast run compiled only "
+                    "(test_cluster_lowers_for_sm90 covers the CPU)")
+@pytest.mark.parametrize("b,sq,skv,hq,hkv,d,dtype,config,opts", _in_clusters(4, FEATURE_CASES) + [
+    pytest.param(2, sq, skv, 4, 2, 128, jnp.bfloat16,
+                 dataclasses.replace(mosaic.default_forward_config(128), cluster=4),
+                 dict(causal=c), id=f"tiles{sq // 128 + 1}-gqa-d128-{'causal' if c else 'full'}")
+    for sq, skv in ((300, 300), (600, 520)) for c in (True, False)] + [
+    # 5 tiles with segment ids and lengths: the padded tiles' segment ranges are empty.
+    pytest.param(2, 600, 600, 2, 1, 64, jnp.float16, C(block_kv=64, overlap=True, cluster=4),
+                 dict(causal=True, alignment="bottom_right", segments=True),
+                 id="tiles5-segments-overlap"),
+    # head_dim 256's block_kv 64: the smallest multicast slices (16 rows).
+    pytest.param(1, 600, 600, 2, 2, 256, jnp.bfloat16,
+                 dataclasses.replace(mosaic.default_forward_config(256), cluster=4),
+                 dict(causal=False, softcap=20.0), id="tiles5-d256-softcap"),
+])
+def test_cluster4_matches_reference_and_triton(b, sq, skv, hq, hkv, d, dtype, config, opts):
+    test_features_match_reference_and_triton(b, sq, skv, hq, hkv, d, dtype, config, opts)
+
+
+@pytest.mark.parametrize("d,causal,has_segments,cluster,sq", [
+    (128, True, True, 2, 1000),     # 8 tiles of 128 rows: 4 clusters of 2, 2 of 4
+    (64, False, False, 2, 1000),
+    (128, True, True, 4, 1000),
+    (64, False, False, 4, 1000),
+    (128, False, False, 4, 600),    # 5 tiles: 3 empty ones pad the second cluster
+    (256, True, False, 4, 300),     # block_kv 64: 16-row multicast slices; 1 empty tile
+    (64, True, True, 4, 600),
+])
+def test_cluster_lowers_for_sm90(d, causal, has_segments, cluster, sq):
+    skv = sq
     q, k, v = _inputs(2, sq, skv, 4, 2, d, jnp.bfloat16)
     spec = _spec(q, k, causal=causal, has_segments=has_segments, interpret=False)
-    cfg = dataclasses.replace(mosaic.default_forward_config(d), cluster=2)
+    cfg = dataclasses.replace(mosaic.default_forward_config(d), cluster=cluster)
     ids = (_sorted_ids(3, 2, sq, 4), _sorted_ids(4, 2, skv, 4)) if has_segments else ()
     fn = jax.jit(lambda q, k, v, *ids: mosaic.forward(spec, q, k, v, *ids, config=cfg))
     text = fn.trace(q, k, v, *ids).lower(lowering_platforms=("cuda",)).as_text()

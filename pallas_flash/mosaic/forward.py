@@ -38,11 +38,11 @@ Structure (one CTA = three warpgroups):
   a descriptor's sequence axis by 8 rows, so a length that is not a multiple of 8 is
   zero-padded in XLA first (one copy). The row statistics are allocated for whole tiles and
   sliced.
-* Optional clusters (config.cluster=2): two CTAs of adjacent tiles stream the union of their
-  key ranges, each copy warpgroup loading half of every K / V block into both CTAs (TMA
+* Optional clusters (config.cluster = n, 2 or 4): n CTAs of adjacent tiles stream the union of
+  their key ranges, each copy warpgroup loading 1/n of every K / V block into all n CTAs (TMA
   multicast); the "free" barriers are cluster barriers, so a slot is refilled only once all
-  four compute warpgroups have released it. The grid's tile axis then counts pairs, padded to
-  whole pairs with a tile past seq_q that computes nothing.
+  2n compute warpgroups have released it. The grid's tile axis then counts clusters, padded to
+  whole clusters with tiles past seq_q that compute nothing.
 * Optional ping-pong (config.pingpong): a two-arrival barrier used as a rendezvous twice per step
   offsets the two warpgroups by half a step, so one warpgroup's softmax overlaps the other's
   wgmmas. Warpgroup 1 rendezvouses once before its loop, warpgroup 0 once after, and drain steps
@@ -120,26 +120,31 @@ class MosaicForwardConfig:
     compute_registers / copy_registers: per-thread register budgets after the split.
     profile_dir: a folder for Mosaic GPU traces of the kernel (one per call; see
       common.profile_params), "" (the default) for none. A diagnostic.
-    cluster: CTAs per cluster along the query tiles, 1 or 2. With 2, two CTAs of adjacent
-      tiles share each K / V block: each loads half of it by TMA multicast into both, and a
-      slot is refilled once the compute warpgroups of both have released it (cluster
-      barriers); each streams the union of the two tiles' key ranges. Why: every CTA reads
-      its head's whole K and V from L2, and Nsight Compute put the forward's L2 throughput at
-      70% (NOTES.md run 34; a third V slot, which would have hidden latency, did not help:
-      run 36). Why a slot's barrier cannot skip a phase: a block lands in a CTA only once
-      both copy warpgroups have issued their halves, and each issues only after it waited for
-      the slot's previous phase. Compiled only: jax 0.11.2's GPU interpreter loads a
-      multicast block whole into each CTA, which breaks that interlock (one CTA can consume and
-      release a block before the other's copy warpgroup waited for the phase before it), and it
-      hung so with ping-pong and the lagged P V; all cases passed compiled (run 38). Timed on
-      the H200 (runs 38-39, kernel alone, 2 x seq x 16 heads, TFLOP/s cluster 1 -> 2, two runs):
-      head_dim 128 non-causal 8k 608 -> 618 and 617 -> 629, 16k 558 -> 623 and 561 -> 599;
-      causal 8k 594 -> 586 and 593 -> 582, 16k 630 -> 624 and 633 -> 620; head_dim 64
-      (block_kv 256) 412 -> 411 / 383 -> 400; head_dim 256 (block_kv 64) 711 -> 680 / 694 ->
-      633. So the default for compiled head_dim 128 calls without a position mask or segment
-      ids (`default_forward_config` with a spec; the compiled suite passed with it, NOTES.md
-      runs 43 and 56), under "auto" too since session 11 (its guard launches this kernel
-      outside any branch).
+    cluster: CTAs per cluster along the query tiles, 1, 2 or 4. With n > 1, n CTAs of adjacent
+      tiles share each K / V block: each loads 1/n of it (block_kv / n rows) by TMA multicast
+      into all n, and a slot is refilled once the compute warpgroups of all n have released it
+      (cluster barriers); each streams the union of the n tiles' key ranges. Why: every CTA
+      reads its head's whole K and V from L2, and Nsight Compute put the forward's L2 throughput
+      at 70% (NOTES.md run 34; a third V slot, which would have hidden latency, did not help:
+      run 36). Why a slot's barrier cannot skip a phase: a block lands in a CTA only once all n
+      copy warpgroups have issued their slices, and each issues only after it waited for the
+      slot's previous phase. Compiled only: jax 0.11.2's GPU interpreter loads a multicast block
+      whole into each CTA, which breaks that interlock (one CTA can consume and release a block
+      before another's copy warpgroup waited for the phase before it), and it hung so with
+      ping-pong and the lagged P V; all cases passed compiled (run 38). Timed on the H200 (runs
+      38-39, kernel alone, 2 x seq x 16 heads, TFLOP/s cluster 1 -> 2, two runs): head_dim 128
+      non-causal 8k 608 -> 618 and 617 -> 629, 16k 558 -> 623 and 561 -> 599; causal 8k 594 ->
+      586 and 593 -> 582, 16k 630 -> 624 and 633 -> 620; head_dim 64 (block_kv 256) 412 -> 411 /
+      383 -> 400; head_dim 256 (block_kv 64) 711 -> 680 / 694 -> 633. So the default for
+      compiled head_dim 128 calls without a position mask or segment ids
+      (`default_forward_config` with a spec; the compiled suite passed with it, NOTES.md runs 43
+      and 56), under "auto" too since session 11 (its guard launches this kernel outside any
+      branch). Clusters of 4 are allowed but untimed (their compiled test,
+      test_cluster4_matches_reference_and_triton, passed on the H200: 17 cases); a sweep is
+      planned (benchmarks/mosaic_tune.py --fwd-cluster 1,2,4). Prediction: +2-5% over clusters
+      of 2 at 16k non-causal head_dim 128 if the L2 K / V stream is still the limit; 4 CTAs that
+      each fill an SM's shared memory must also be co-scheduled in one GPC, which may cost
+      occupancy.
     """
 
     block_q: int = 64
@@ -161,8 +166,13 @@ class MosaicForwardConfig:
                 f"MosaicForwardConfig.block_kv must be 64, 128, 192 or 256, got {self.block_kv}")
         if self.stages < 2:
             raise ValueError(f"MosaicForwardConfig.stages must be >= 2, got {self.stages}")
-        if self.cluster not in (1, 2):
-            raise ValueError(f"MosaicForwardConfig.cluster must be 1 or 2, got {self.cluster}")
+        # Each copy warpgroup multicasts block_kv / cluster rows of every K / V block, and
+        # Mosaic GPU splits a block only into whole 8-row tiles of its swizzled layout. Every
+        # block_kv above is a multiple of 64, so 2 and 4 always split it (16 rows or more per
+        # slice with 4) and no block_kv needs refusing; 3 would not divide 64, 128 or 256.
+        if self.cluster not in (1, 2, 4):
+            raise ValueError(
+                f"MosaicForwardConfig.cluster must be 1, 2 or 4, got {self.cluster}")
 
     def smem_bytes(self, head_dim: int, itemsize: int = 2) -> int:
         q = COMPUTE_WGS * self.block_q * head_dim * itemsize
@@ -507,7 +517,8 @@ def _kernel_body(q_ref, k_ref, v_ref, q_ids_ref, kv_ids_ref, cta_seg_ref, wg_seg
     def _copy():
         plgpu.set_max_registers(cfg.copy_registers, action="decrease")
         kv_head = lax.div(head, jnp.int32(group))
-        # config.cluster: each CTA of the pair loads half of every block into both.
+        # config.cluster: each CTA of the cluster loads 1/cluster of every block into all of
+        # them (Mosaic GPU splits the block along its rows, whole 8-row tiles).
         multicast = dict(collective_axes=CLUSTER_AXIS) if cfg.cluster > 1 else {}
 
         def load(i, _):
@@ -574,7 +585,7 @@ def forward(spec: AttentionSpec, q, k, v, q_ids=None, kv_ids=None, *,
     stats_shape = jax.ShapeDtypeStruct((batch, q_heads, n_tiles * COMPUTE_WGS * cfg.block_q),
                                        jnp.float32)
     # A slot's "free" barrier: with config.cluster, a cluster barrier that counts the releases
-    # of both CTAs' compute warpgroups (either CTA's copy writes into both).
+    # of every CTA's compute warpgroups (each CTA's copy writes into all of them).
     free_barrier = (functools.partial(plgpu.ClusterBarrier, collective_axes=(CLUSTER_AXIS,))
                     if cfg.cluster > 1 else plgpu.Barrier)
     scratch = [
