@@ -43,17 +43,26 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+
+
+def forward_layout(compute_wgs: int = 2):
+    """PASSES["fwd"] for a forward with `compute_wgs` compute warpgroups (the config field):
+    the copy warpgroup comes after them."""
+    return (compute_wgs + 1,
+            [(0, "q_wait"), (0, "steps"), (0, "store_wait"), (compute_wgs, "stream")],
+            [(0, "k_wait"), (0, "v_wait"), (1, "k_wait"), (1, "v_wait")])
+
+
 # (warpgroups per CTA, scopes entered once per CTA, scopes entered once per step) by pass;
-# the copy warpgroup is 2 in both kernels, the writer 3 in the backward.
+# the copy warpgroup is 2 in both kernels at their defaults, the writer 3 in the backward.
 PASSES = {
     "bwd": (4, [(0, "kv_wait"), (0, "steps"), (0, "writer_tail"), (0, "store"), (2, "stream")],
             [(0, "slot_wait"), (0, "ds_wait"), (1, "ds_wait"), (3, "chain_wait")]),
-    "fwd": (3, [(0, "q_wait"), (0, "steps"), (0, "store_wait"), (2, "stream")],
-            [(0, "k_wait"), (0, "v_wait"), (1, "k_wait"), (1, "v_wait")]),
+    "fwd": forward_layout(),
 }
 
 
-def reduce_trace(events, grid: dict, steps_per_tile, which: str = "bwd") -> dict:
+def reduce_trace(events, grid: dict, steps_per_tile, which: str = "bwd", layout=None) -> dict:
     """The summary described in the module docstring, from a list of trace events (dicts with
     name, ph 'B' / 'E', ts, pid = 1 + SM, tid = 1 + warpgroup + warpgroups x CTA).
 
@@ -64,9 +73,10 @@ def reduce_trace(events, grid: dict, steps_per_tile, which: str = "bwd") -> dict
     grid's axis names to sizes ({"head": .., "tile": .., "batch": ..}) and `steps_per_tile`
     gives the steps of each value of the "tile" axis; the CTA index's axis order is not
     documented, so every order is tried and the one under which the step loop fits best
-    (R^2) is reported with the fit.
+    (R^2) is reported with the fit. `layout` replaces PASSES[which] (forward_layout for a
+    forward with three compute warpgroups).
     """
-    warpgroups, per_cta_scopes, per_step_scopes = PASSES[which]
+    warpgroups, per_cta_scopes, per_step_scopes = layout or PASSES[which]
     spans = collections.defaultdict(list)       # (cta, wg, name) -> [kcycles, in order]
     first = collections.defaultdict(lambda: math.inf)
     last = collections.defaultdict(lambda: -math.inf)
@@ -179,6 +189,7 @@ def main():
         folder = "fused_profile_dir" if args.which == "bwd" else "profile_dir"
         traced_cfg = dataclasses.replace(cfg, **{folder: args.trace_dir})
         n_heads = case.kv_heads
+        layout = None
         if args.which == "bwd":
             out, st = jax.jit(lambda q, k, v: tf.forward(spec, q, k, v))(q, k, v)
             dlse = jax.random.normal(jax.random.key(1), st.m.shape, jnp.float32)
@@ -192,7 +203,7 @@ def main():
         else:
             operands = (q, k, v)
             run = lambda c: jax.jit(lambda *a: mf.forward(spec, *a, config=c))  # noqa: E731
-            rows = mf.COMPUTE_WGS * cfg.block_q
+            rows = cfg.cta_rows
             n_tiles = -(-s // rows)
             with jax.ensure_compile_time_eval():
                 lo, _, _, hi = jax.vmap(lambda x: mask.kv_blocks(x, rows, cfg.block_kv, s))(
@@ -201,6 +212,7 @@ def main():
             if mask.right is not None:      # common.grid_position: last tiles first
                 steps = steps[::-1]
             n_heads = case.q_heads
+            layout = forward_layout(cfg.compute_wgs)
         _, t_plain = timed(run(cfg), operands, 10)
         shutil.rmtree(args.trace_dir, ignore_errors=True)
         os.makedirs(args.trace_dir)
@@ -215,7 +227,7 @@ def main():
                 n_heads, n_tiles, case.batch, fb.head_chunk(cfg, case.batch, n_heads))))
         row = dict(which=args.which, case=args.case, causal=causal, config=repr(cfg),
                    ms=t_plain * 1e3, events=len(events), mean_steps=float(np.mean(steps)),
-                   **reduce_trace(events, grid, steps, args.which))
+                   **reduce_trace(events, grid, steps, args.which, layout))
         results.append(row)
         print(json.dumps(row, indent=1), flush=True)
     with open(os.path.join(args.out, f"kernel_trace_{args.which}.json"), "w") as f:

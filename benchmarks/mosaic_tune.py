@@ -45,20 +45,29 @@ from pallas_flash.spec import AttentionSpec  # noqa: E402
 from pallas_flash.triton import forward as tf  # noqa: E402
 
 HEADS = {64: 32, 128: 16, 256: 8}
+# Register budgets of a forward with three compute warpgroups (3 * 160 + 32 = 512, the register
+# file; FlashAttention-3's split for three consumer warpgroups). --fwd-registers is for two.
+THREE_WG_REGISTERS = (160, 32)
 
 
 def forward_candidates(head_dim: int, *, stages=None, pingpong=(True, False),
-                       overlap=(False, True), registers=((232, 40),), cluster=(1,), block_kvs=None
-                       ) -> list[mf.MosaicForwardConfig]:
+                       overlap=(False, True), registers=((232, 40),), cluster=(1,), block_kvs=None,
+                       compute_wgs=(2,)) -> list[mf.MosaicForwardConfig]:
     kvs = block_kvs or {64: (128, 256), 128: (64, 128, 192), 256: (64, 128)}[head_dim]
     stage_counts = stages or ((2, 3) if head_dim == 64 else (2, 3, 4))
     out = []
-    for block_kv, n_stages, pp, ov, (compute, copy), n_cluster in itertools.product(
-            kvs, stage_counts, pingpong, overlap, registers, cluster):
+    for block_kv, n_stages, pp, ov, regs, n_cluster, wgs in itertools.product(
+            kvs, stage_counts, pingpong, overlap, registers, cluster, compute_wgs):
+        if wgs == 3:
+            if pp:      # ping-pong pairs exactly two warpgroups (MosaicForwardConfig)
+                continue
+            regs = THREE_WG_REGISTERS
+        compute, copy = regs
         cfg = mf.MosaicForwardConfig(block_q=64, block_kv=block_kv, stages=n_stages,
                                      pingpong=pp, overlap=ov, compute_registers=compute,
-                                     copy_registers=copy, cluster=n_cluster)
-        if cfg.smem_bytes(head_dim) <= SMEM_LIMIT:
+                                     copy_registers=copy, cluster=n_cluster, compute_wgs=wgs)
+        # Three warpgroups ignore the --fwd-registers list: one candidate, not one per entry.
+        if cfg.smem_bytes(head_dim) <= SMEM_LIMIT and cfg not in out:
             out.append(cfg)
     return out
 
@@ -122,6 +131,9 @@ def main():
     p.add_argument("--fwd-cluster", default="1",
                    help="forward CTAs per cluster (1, 2 or 4), e.g. 1,2,4")
     p.add_argument("--fwd-block-kv", default=None, help="forward key blocks, e.g. 128")
+    p.add_argument("--fwd-compute-wgs", default="2",
+                   help="forward compute warpgroups, e.g. 2,3 (3: registers 160/32, no "
+                        "ping-pong)")
     p.add_argument("--bwd-configs", default=None,
                    help="backward configs instead of the sweep: ';'-separated overrides of the "
                         "head_dim's default, e.g. ';fused=1,dkdv_stages=2' (empty = the default)")
@@ -141,7 +153,8 @@ def main():
         pingpong=flags(args.fwd_pingpong), overlap=flags(args.fwd_overlap),
         registers=tuple(tuple(int(x) for x in r.split("/")) for r in args.fwd_registers.split(",")),
         cluster=ints(args.fwd_cluster),
-        block_kvs=ints(args.fwd_block_kv) if args.fwd_block_kv else None)
+        block_kvs=ints(args.fwd_block_kv) if args.fwd_block_kv else None,
+        compute_wgs=ints(args.fwd_compute_wgs))
     path = os.path.join(args.out, f"mosaic_tune_{'_'.join(map(str, dims))}.json")
     dev = jax.devices()[0]
     record = {"device": dev.device_kind, "jax": jax.__version__,

@@ -14,6 +14,19 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                                + " --xla_force_host_platform_device_count=4").strip()
 
+# GPU interpret mode (the Mosaic kernels on the CPU) runs each simulated warpgroup of a CTA as
+# its own XLA computation on its own thread, and XLA:CPU runs parts of each one on its intra-op
+# thread pool, sized by NPROC or else the core count. A warpgroup blocked at a barrier holds its
+# pool thread, so with fewer pool threads than a CTA's warpgroups minus one, the warpgroup that
+# would arrive can starve: on a 2-core machine the forward with three compute warpgroups (four
+# in all, overlap, 192-key blocks) hung with NPROC=2 and passed with NPROC=3. Read once, when
+# JAX initialises. Elsewhere it only lets XLA split work over more threads than cores.
+_MIN_CPU_POOL = 4
+_cores = (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+          else os.cpu_count() or 1)
+if not {"NPROC", "PORTABLE_NPROC"} & set(os.environ) and _cores < _MIN_CPU_POOL:
+    os.environ["NPROC"] = str(_MIN_CPU_POOL)
+
 # PALLAS_FLASH_SPREAD_GPUS=N (a machine with N GPUs, under pytest-xdist): each worker sees one
 # GPU, worker i the (i mod N)-th, so the single-device tests spread over all of them instead of
 # queueing on GPU 0. Also read before JAX initialises. Multi-device tests need it unset.

@@ -240,6 +240,14 @@ def test_features_lower_for_sm90(sq, skv, opts):
     (dict(cluster=3), "cluster"),
     (dict(cluster=8), "cluster"),
     (dict(cluster=0), "cluster"),
+    (dict(compute_wgs=4, pingpong=False, compute_registers=120, copy_registers=24),
+     "compute_wgs"),
+    (dict(compute_wgs=3, compute_registers=160, copy_registers=32), "compute_wgs"),  # ping-pong
+    # 3 * 232 + 40 and 3 * 168 + 32: past the 512 registers per thread of four warpgroups.
+    (dict(compute_wgs=3, pingpong=False), "compute_registers"),
+    (dict(compute_wgs=3, pingpong=False, compute_registers=168, copy_registers=32),
+     "compute_registers"),
+    (dict(compute_registers=240, copy_registers=40), "compute_registers"),
 ])
 def test_config_validation(fields, match):
     with pytest.raises(ValueError, match=rf"MosaicForwardConfig\.{match} must be"):
@@ -256,6 +264,65 @@ def _in_clusters(n, cases):
     """FEATURE_CASES-style params with config.cluster = n (same ids)."""
     return [pytest.param(*case.values[:7], dataclasses.replace(case.values[7], cluster=n),
                          case.values[8], id=case.id) for case in cases]
+
+
+# config.compute_wgs=3: 192 query rows per CTA, FlashAttention-3's head_dim 64 tile. Interpret
+# mode is slow on the 2-core CI machine (the suite has a time budget), so a few cases run there
+# (a partial last tile, causal, segment ids, GQA, the lagged P V) and the rest compiled only.
+THREE_WGS = dict(compute_wgs=3, pingpong=False, compute_registers=160, copy_registers=32)
+THREE_WGS_ON_CPU = ("partial-tiles", "window-causal-softcap", "segments-lengths")
+COMPILED_ONLY = pytest.mark.skipif(not IS_HOPPER, reason="compiled only (interpret-mode time "
+                                   "budget; a few three-warpgroup cases run on the CPU)")
+
+
+def _three_wgs(case):
+    return pytest.param(*case.values[:7], dataclasses.replace(case.values[7], **THREE_WGS),
+                        case.values[8], id=case.id,
+                        marks=() if case.id in THREE_WGS_ON_CPU else COMPILED_ONLY)
+
+
+@pytest.mark.skipif(ON_GPU and not IS_HOPPER, reason="Mosaic GPU kernel needs sm_90")
+@pytest.mark.parametrize("b,sq,skv,hq,hkv,d,dtype,config,opts", [
+    _three_wgs(case) for case in FEATURE_CASES] + [
+    # GQA, 400 rows (two whole tiles and 16 rows: the last tile's warpgroups 1 and 2 only
+    # drain), causal, FlashAttention-3's causal key block.
+    pytest.param(1, 400, 400, 4, 2, 64, jnp.bfloat16, C(block_kv=128, **THREE_WGS),
+                 dict(causal=True), id="gqa-causal"),
+    # GQA, FlashAttention-3's non-causal key block with the lagged P V: 456 keys, the third
+    # block partial. This one hung in interpret mode with XLA's CPU pool at 2 threads
+    # (tests/conftest.py sets NPROC).
+    pytest.param(1, 384, 456, 4, 2, 64, jnp.float16, C(block_kv=192, overlap=True, **THREE_WGS),
+                 dict(causal=False), id="gqa-full-overlap"),
+])
+def test_three_wgs_match_reference_and_triton(b, sq, skv, hq, hkv, d, dtype, config, opts):
+    test_features_match_reference_and_triton(b, sq, skv, hq, hkv, d, dtype, config, opts)
+
+
+@pytest.mark.parametrize("d,block_kv,causal,cluster,overlap,has_segments", [
+    (64, 128, True, 1, False, False),
+    (64, 192, False, 2, False, False),
+    (128, 64, True, 1, True, True),
+])
+def test_three_wgs_lower_for_sm90(d, block_kv, causal, cluster, overlap, has_segments):
+    sq = skv = 1000    # 6 tiles of 192 rows, the last partial (3 clusters of 2)
+    q, k, v = _inputs(2, sq, skv, 4, 2, d, jnp.bfloat16)
+    spec = _spec(q, k, causal=causal, has_segments=has_segments, interpret=False)
+    cfg = C(block_kv=block_kv, overlap=overlap, cluster=cluster, **THREE_WGS)
+    ids = (_sorted_ids(3, 2, sq, 4), _sorted_ids(4, 2, skv, 4)) if has_segments else ()
+    fn = jax.jit(lambda q, k, v, *ids: mosaic.forward(spec, q, k, v, *ids, config=cfg))
+    text = fn.trace(q, k, v, *ids).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
+
+
+def test_three_wgs_config():
+    cfg = C(**THREE_WGS)
+    assert cfg.cta_rows == 192 and C().cta_rows == 128
+    # One more 64-row Q tile and its statistics in shared memory.
+    assert cfg.smem_bytes(64) - C().smem_bytes(64) == 64 * 64 * 2 + 2 * 64 * 4
+    for d in (64, 128, 256):   # the defaults keep two compute warpgroups
+        q, k, _ = _inputs(1, 256, 256, 1, 1, d, jnp.bfloat16)
+        for spec in (None, _spec(q, k, causal=False, interpret=False)):
+            assert mosaic.default_forward_config(d, spec).compute_wgs == 2
 
 
 # config.cluster=2: two CTAs of adjacent tiles share each K / V block by TMA multicast, each

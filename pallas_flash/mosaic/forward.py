@@ -7,14 +7,15 @@ tanh(q.k * scale / softcap) with a softcap) and r = log2 of the
 row's softmax denominator in base 2 (stats.py). A row that sees no key leaves with O = 0, m = 0
 and r = -inf.
 
-Structure (one CTA = three warpgroups):
+Structure (one CTA = config.compute_wgs compute warpgroups, 2 or 3, and one copy warpgroup):
 
-* CTA (tile, head, batch) owns 2 * block_q query rows of one (batch, head). Warpgroups 0 and 1
-  each own block_q of them (a 64-row wgmma M tile per warpgroup); warpgroup 2 only issues TMA
-  copies. GQA reads kv head = head // group straight from the [batch, seq, heads, dim] arrays.
-* Warpgroup 2 streams K and V blocks of the kv head through `stages` shared-memory slots. Each
-  slot has a "loaded" barrier (completed by the TMA transaction count) and a "free" barrier that
-  needs one arrival from each compute warpgroup before the slot is refilled.
+* CTA (tile, head, batch) owns compute_wgs * block_q query rows of one (batch, head) (128 or
+  192). Compute warpgroups 0 .. compute_wgs - 1 each own block_q of them (a 64-row wgmma M tile
+  per warpgroup); the last warpgroup (index compute_wgs) only issues TMA copies. GQA reads kv
+  head = head // group straight from the [batch, seq, heads, dim] arrays.
+* The copy warpgroup streams K and V blocks of the kv head through `stages` shared-memory slots.
+  Each slot has a "loaded" barrier (completed by the TMA transaction count) and a "free" barrier
+  that needs one arrival from each compute warpgroup before the slot is refilled.
 * Each compute warpgroup runs the online softmax of FlashAttention-2 in base 2 and logit units:
   S = Q K^T by wgmma (Q and K from shared memory), then
       m' = max(m, rowmax S),  m_safe = (m' if finite else 0),  a = 2^((m - m_safe) c),
@@ -41,12 +42,13 @@ Structure (one CTA = three warpgroups):
 * Optional clusters (config.cluster = n, 2 or 4): n CTAs of adjacent tiles stream the union of
   their key ranges, each copy warpgroup loading 1/n of every K / V block into all n CTAs (TMA
   multicast); the "free" barriers are cluster barriers, so a slot is refilled only once all
-  2n compute warpgroups have released it. The grid's tile axis then counts clusters, padded to
-  whole clusters with tiles past seq_q that compute nothing.
-* Optional ping-pong (config.pingpong): a two-arrival barrier used as a rendezvous twice per step
-  offsets the two warpgroups by half a step, so one warpgroup's softmax overlaps the other's
-  wgmmas. Warpgroup 1 rendezvouses once before its loop, warpgroup 0 once after, and drain steps
-  rendezvous too, so both always make 2 * n_steps + 1 rendezvous.
+  n * compute_wgs compute warpgroups have released it. The grid's tile axis then counts
+  clusters, padded to whole clusters with tiles past seq_q that compute nothing.
+* Optional ping-pong (config.pingpong, two compute warpgroups only): a two-arrival barrier used
+  as a rendezvous twice per step offsets the two warpgroups by half a step, so one warpgroup's
+  softmax overlaps the other's wgmmas. Warpgroup 1 rendezvouses once before its loop,
+  warpgroup 0 once after, and drain steps rendezvous too, so both always make 2 * n_steps + 1
+  rendezvous.
 * Optional intra-warpgroup overlap (config.overlap, FlashAttention-3's pipelining; the default
   at head_dim 128 and 256): the P V product lags one block, so each step issues S_j = Q K_j^T
   and P_{j-1} V_{j-1} back to back, waits for S_j alone, and runs the softmax of block j while
@@ -70,7 +72,11 @@ the P.V product (spec.interpret only): the interpreter takes no wgmma operand in
 `run_state` over an accumulator, so P is staged through shared memory and the product is added to
 acc; the compiled path (P from registers, accumulating in place) is not covered on the CPU. The
 interpreter also insists that every barrier phase be waited for, which is why the copy
-warpgroup waits for the last releases. In addition
+warpgroup waits for the last releases. Each simulated warpgroup is an XLA computation on its own
+thread that also runs parts on XLA:CPU's intra-op pool (NPROC threads, else one per core); a
+warpgroup blocked at a barrier holds a pool thread, so with compute_wgs=3 (four warpgroups) the
+pool needs 3 threads or a CTA can hang (it did on 2 cores; tests/conftest.py sets NPROC). In
+addition
 `jax.jit(...).trace(...).lower(lowering_platforms=("cuda",))` runs on a CPU-only machine all the
 Python passes (Pallas lowering, Mosaic GPU layout inference, dialect lowering, for sm_90): what
 is left untested without a GPU is the C++/LLVM/ptxas compile, shared-memory limits at launch,
@@ -102,22 +108,39 @@ __all__ = ["KERNEL_NAME", "MosaicForwardConfig", "default_forward_config", "forw
            "unsupported_reason"]
 
 KERNEL_NAME = "pallas_flash_mosaic_fwd"
-COMPUTE_WGS = 2  # compute warpgroups per CTA; one more warpgroup issues the copies
 F16_MAX = 65504.0
+# Per-thread registers summed over a CTA's warpgroups (65536 registers / 128 threads): the sum of
+# every warpgroup's setmaxnreg budget must fit the register file.
+MAX_REGISTERS = 512
 
 
 @dataclasses.dataclass(frozen=True)
 class MosaicForwardConfig:
     """Tiles of the Mosaic forward kernel.
 
-    block_q: query rows per compute warpgroup (a CTA holds COMPUTE_WGS * block_q rows).
+    block_q: query rows per compute warpgroup (a CTA holds compute_wgs * block_q rows).
     block_kv: key rows per step.
     stages: K/V shared-memory slots in flight (>= 2).
     pingpong: offset the two compute warpgroups so softmax and wgmma overlap.
     overlap: inside each warpgroup, issue S = Q K^T of block j together with the P V product of
       block j - 1 and run the softmax of block j while P V is still on the tensor cores
       (FlashAttention-3's intra-warpgroup pipelining). It holds a second P tile in registers.
-    compute_registers / copy_registers: per-thread register budgets after the split.
+    compute_registers / copy_registers: per-thread register budgets after the split
+      (setmaxnreg: multiples of 8 in [24, 256]). An SM's 64K 32-bit registers make 512 per
+      thread of a 128-thread warpgroup, so compute_wgs * compute_registers + copy_registers
+      must be <= 512.
+    compute_wgs: compute warpgroups per CTA, 2 (the default) or 3; one more warpgroup issues
+      the copies. Each K / V block streamed into shared memory serves compute_wgs * block_q
+      query rows, so 3 warpgroups (192 rows) read K and V a third fewer times per query row
+      and spread the copy warpgroup's and each block's fixed costs over more rows. Why:
+      FlashAttention-3 tiles head_dim 64 (16-bit) with 192 query rows, three consumer
+      warpgroups, and 128 (causal) / 192 (non-causal) keys (hopper/tile_size.h,
+      tile_size_fwd_sm90), while this kernel at head_dim 64 runs at 0.84-0.89x cuDNN with 128
+      rows. Prediction, untimed: +5-10% non-causal at head_dim 64 if streaming K / V is the
+      limit. The risk is registers: 3 * compute + copy <= 512 leaves e.g. 160 / 32 per thread
+      against 232 / 40 with 2, which spills with a 64 x 256 S tile (block_kv 256) and may
+      with overlap's second P tile; sweep block_kv 128 / 192. Needs pingpong=False (its
+      rendezvous barrier pairs exactly two warpgroups).
     profile_dir: a folder for Mosaic GPU traces of the kernel (one per call; see
       common.profile_params), "" (the default) for none. A diagnostic.
     cluster: CTAs per cluster along the query tiles, 1, 2 or 4. With n > 1, n CTAs of adjacent
@@ -156,6 +179,7 @@ class MosaicForwardConfig:
     copy_registers: int = 40
     profile_dir: str = ""
     cluster: int = 1
+    compute_wgs: int = 2
 
     def __post_init__(self):
         if self.block_q != 64:
@@ -173,11 +197,32 @@ class MosaicForwardConfig:
         if self.cluster not in (1, 2, 4):
             raise ValueError(
                 f"MosaicForwardConfig.cluster must be 1, 2 or 4, got {self.cluster}")
+        if self.compute_wgs not in (2, 3):
+            raise ValueError(
+                f"MosaicForwardConfig.compute_wgs must be 2 or 3, got {self.compute_wgs}")
+        if self.compute_wgs != 2 and self.pingpong:
+            # The ping-pong rendezvous offsets one warpgroup against exactly one other.
+            raise ValueError("MosaicForwardConfig.compute_wgs must be 2 with pingpong=True, "
+                             f"got {self.compute_wgs}")
+        if self.compute_wgs * self.compute_registers + self.copy_registers > MAX_REGISTERS:
+            # The warpgroups' budgets share one register file: past it, they cannot all be
+            # granted.
+            most = (MAX_REGISTERS - self.copy_registers) // self.compute_wgs
+            raise ValueError(
+                f"MosaicForwardConfig.compute_registers must be at most {most} with "
+                f"compute_wgs={self.compute_wgs} and copy_registers={self.copy_registers} "
+                f"(compute_wgs * compute_registers + copy_registers <= {MAX_REGISTERS}), "
+                f"got {self.compute_registers}")
+
+    @property
+    def cta_rows(self) -> int:
+        """Query rows per CTA: block_q for each compute warpgroup."""
+        return self.compute_wgs * self.block_q
 
     def smem_bytes(self, head_dim: int, itemsize: int = 2) -> int:
-        q = COMPUTE_WGS * self.block_q * head_dim * itemsize
+        q = self.cta_rows * head_dim * itemsize
         kv = 2 * self.stages * self.block_kv * head_dim * itemsize
-        stats = 2 * COMPUTE_WGS * self.block_q * 4
+        stats = 2 * self.cta_rows * 4
         return q + kv + stats + SMEM_RESERVED
 
 
@@ -256,7 +301,7 @@ def _kernel_body(q_ref, k_ref, v_ref, q_ids_ref, kv_ids_ref, cta_seg_ref, wg_seg
             head_dim: int):
     mask = spec.mask
     block_q, block_kv, stages = cfg.block_q, cfg.block_kv, cfg.stages
-    cta_rows = COMPUTE_WGS * block_q
+    cta_rows = cfg.cta_rows
     dtype = q_ref.dtype
     c = logit_scale(spec) * LOG2E
     # Keys past seq_kv only exist in a partial last block (read as zeros by the TMA); they need
@@ -275,7 +320,7 @@ def _kernel_body(q_ref, k_ref, v_ref, q_ids_ref, kv_ids_ref, cta_seg_ref, wg_seg
             plgpu.barrier_arrive(rendezvous_bar)
             plgpu.barrier_wait(rendezvous_bar)
 
-    @pl.when(wg < COMPUTE_WGS)
+    @pl.when(wg < cfg.compute_wgs)
     def _compute():
         plgpu.set_max_registers(cfg.compute_registers, action="increase")
         q_start = cta_start + wg * block_q
@@ -288,10 +333,10 @@ def _kernel_body(q_ref, k_ref, v_ref, q_ids_ref, kv_ids_ref, cta_seg_ref, wg_seg
         q_ids = None
         if wg_seg_ref is not None:
             # With ids every visited block is masked (ids are data): no unmasked middle.
-            bounds = narrowed(bounds, wg_seg_ref, batch, tile * COMPUTE_WGS + wg)
+            bounds = narrowed(bounds, wg_seg_ref, batch, tile * cfg.compute_wgs + wg)
             q_ids = plgpu.load(q_ids_ref.at[batch, pl.ds(q_start, block_q)],
                                layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
-        # A warpgroup wholly past seq_q (the second one of a short last tile) computes nothing.
+        # A warpgroup wholly past seq_q (a later one of a short last tile) computes nothing.
         bounds = tuple(jnp.where(q_start < mask.seq_q, b, cta_lo) for b in bounds)
         lo, full_lo, full_hi, hi = clamp_range(bounds, cta_lo, cta_hi)
 
@@ -513,7 +558,7 @@ def _kernel_body(q_ref, k_ref, v_ref, q_ids_ref, kv_ids_ref, cta_seg_ref, wg_seg
         with jax.named_scope("store_wait"):
             plgpu.wait_smem_to_gmem(0)
 
-    @pl.when(wg == COMPUTE_WGS)
+    @pl.when(wg == cfg.compute_wgs)
     def _copy():
         plgpu.set_max_registers(cfg.copy_registers, action="decrease")
         kv_head = lax.div(head, jnp.int32(group))
@@ -522,7 +567,7 @@ def _kernel_body(q_ref, k_ref, v_ref, q_ids_ref, kv_ids_ref, cta_seg_ref, wg_seg
         multicast = dict(collective_axes=CLUSTER_AXIS) if cfg.cluster > 1 else {}
 
         def load(i, _):
-            # Block j of the CTA's range goes to slot i % stages once both compute warpgroups
+            # Block j of the CTA's range goes to slot i % stages once all compute warpgroups
             # have released the block that used the slot before. Every start is dynamic: a
             # partial last block reaches past seq_kv, which the TMA reads as zeros (a static
             # start would be bounds-checked when traced and refused).
@@ -574,7 +619,7 @@ def forward(spec: AttentionSpec, q, k, v, q_ids=None, kv_ids=None, *,
     q = pad_seq(q, 8)
     k = pad_seq(k, 8)
     v = pad_seq(v, 8)
-    n_tiles = pl.cdiv(seq_q, COMPUTE_WGS * cfg.block_q)
+    n_tiles = pl.cdiv(seq_q, cfg.cta_rows)
     # Whole clusters: a tile past seq_q computes nothing and stores nothing (config.cluster).
     n_tiles = pl.cdiv(n_tiles, cfg.cluster) * cfg.cluster
     dtype = q.dtype
@@ -582,27 +627,29 @@ def forward(spec: AttentionSpec, q, k, v, q_ids=None, kv_ids=None, *,
     # The row statistics are written in whole 64-row pieces, so they are allocated for whole
     # tiles and sliced here (float32 per row: cheap next to O). O itself is written in place:
     # the TMA store drops rows past seq_q.
-    stats_shape = jax.ShapeDtypeStruct((batch, q_heads, n_tiles * COMPUTE_WGS * cfg.block_q),
-                                       jnp.float32)
-    # A slot's "free" barrier: with config.cluster, a cluster barrier that counts the releases
-    # of every CTA's compute warpgroups (each CTA's copy writes into all of them).
+    stats_shape = jax.ShapeDtypeStruct((batch, q_heads, n_tiles * cfg.cta_rows), jnp.float32)
+    # A slot's "free" barrier: one arrival per compute warpgroup (num_arrivals counts a CTA's);
+    # with config.cluster, a cluster barrier that counts the releases of every CTA's compute
+    # warpgroups (each CTA's copy writes into all of them).
+    wgs = cfg.compute_wgs
     free_barrier = (functools.partial(plgpu.ClusterBarrier, collective_axes=(CLUSTER_AXIS,))
                     if cfg.cluster > 1 else plgpu.Barrier)
     scratch = [
-        plgpu.SMEM((COMPUTE_WGS, cfg.block_q, head_dim), dtype),
+        plgpu.SMEM((wgs, cfg.block_q, head_dim), dtype),
         plgpu.SMEM((cfg.stages, cfg.block_kv, head_dim), dtype),
         plgpu.SMEM((cfg.stages, cfg.block_kv, head_dim), dtype),
-        plgpu.SMEM((COMPUTE_WGS, cfg.block_q), jnp.float32),
-        plgpu.SMEM((COMPUTE_WGS, cfg.block_q), jnp.float32),
-        plgpu.Barrier(num_barriers=COMPUTE_WGS),
+        plgpu.SMEM((wgs, cfg.block_q), jnp.float32),
+        plgpu.SMEM((wgs, cfg.block_q), jnp.float32),
+        plgpu.Barrier(num_barriers=wgs),
         plgpu.Barrier(num_barriers=cfg.stages),
         plgpu.Barrier(num_barriers=cfg.stages),
-        free_barrier(num_arrivals=COMPUTE_WGS, num_barriers=cfg.stages),
-        free_barrier(num_arrivals=COMPUTE_WGS, num_barriers=cfg.stages),
-        plgpu.Barrier(num_arrivals=COMPUTE_WGS),
+        free_barrier(num_arrivals=wgs, num_barriers=cfg.stages),
+        free_barrier(num_arrivals=wgs, num_barriers=cfg.stages),
+        # The ping-pong rendezvous: only with pingpong, which needs exactly two warpgroups.
+        plgpu.Barrier(num_arrivals=wgs),
     ]
     if spec.interpret:
-        scratch.append(plgpu.SMEM((COMPUTE_WGS, cfg.block_q, cfg.block_kv), dtype))
+        scratch.append(plgpu.SMEM((wgs, cfg.block_q, cfg.block_kv), dtype))
     body = functools.partial(_kernel, spec=spec, cfg=cfg, group=group, n_tiles=n_tiles,
                              head_dim=head_dim)
     call = plgpu.kernel(
@@ -612,7 +659,7 @@ def forward(spec: AttentionSpec, q, k, v, q_ids=None, kv_ids=None, *,
         grid=(n_tiles // cfg.cluster, q_heads, batch),
         grid_names=("tile", "head", "batch"),
         **_cluster_params(cfg.cluster),
-        num_threads=COMPUTE_WGS + 1,
+        num_threads=wgs + 1,   # the copy warpgroup last (index compute_wgs)
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(
             approx_math=True,
@@ -639,14 +686,14 @@ def _cluster_params(cluster: int) -> dict:
 def _segment_operands(q_ids, kv_ids, cfg: MosaicForwardConfig, n_tiles: int):
     """The kernel's segment inputs: ids padded so no id read goes past the end, and the key
     block ranges [lo, hi) per (batch, tile) and per (batch, warpgroup block), int32 [.., 2]."""
-    rows = COMPUTE_WGS * cfg.block_q
+    rows = cfg.cta_rows
     n_kv = pl.cdiv(kv_ids.shape[1], cfg.block_kv)
     cta = jnp.stack(segment_block_ranges(q_ids, kv_ids, rows, cfg.block_kv), axis=-1)
     wg = jnp.stack(segment_block_ranges(q_ids, kv_ids, cfg.block_q, cfg.block_kv), axis=-1)
     if cta.shape[1] < n_tiles:  # a grid padded to whole clusters: an empty range
         cta = jnp.pad(cta, ((0, 0), (0, n_tiles - cta.shape[1]), (0, 0)))
     # A warpgroup block wholly past seq_q has no range of its own (the kernel skips it).
-    wg = jnp.pad(wg, ((0, 0), (0, n_tiles * COMPUTE_WGS - wg.shape[1]), (0, 0)))
+    wg = jnp.pad(wg, ((0, 0), (0, n_tiles * cfg.compute_wgs - wg.shape[1]), (0, 0)))
     # Padding ids match nothing (masking.py); rows past seq_q are never stored either way.
     q_ids = jnp.pad(q_ids, ((0, 0), (0, n_tiles * rows - q_ids.shape[1])),
                     constant_values=PAD_QUERY_ID)
