@@ -140,11 +140,12 @@ def _fused_grid(spec, args, cfg):
 
 
 @pytest.mark.parametrize("chunk,batch,kv_heads,expected", [
-    (None, 1, 4, 2), (None, 1, 3, 1), (None, 2, 4, 1), (None, 1, 1, 1),
+    (None, 1, 4, 4), (None, 1, 6, 2), (None, 1, 3, 1), (None, 2, 4, 1), (None, 1, 1, 1),
     (1, 1, 4, 1), (4, 1, 8, 4), (2, 3, 2, 2)])
 def test_head_chunk_rule(chunk, batch, kv_heads, expected):
-    """By default two heads interleave at batch 1 (where the kv heads pair up), none at batch
-    >= 2, whose launch order already alternates between chains of dQ adds."""
+    """By default four heads interleave at batch 1 (two, or one, where four do not divide the
+    kv heads), none at batch >= 2, whose launch order already alternates between chains of dQ
+    adds (NOTES.md run 59)."""
     cfg = dataclasses.replace(FUSED, fused_head_chunk=chunk)
     assert fused.head_chunk(cfg, batch, kv_heads) == expected
     # The grid: (head chunks, tiles, chunk x batch), 2 key tiles at seq 256.
@@ -231,7 +232,7 @@ def test_shared_memory_is_checked():
     (2, 128, True, {}), (2, 128, False, dict(window=(100, 50), softcap=30.0)),
     (2, 64, True, {}), (2, 64, False, dict(window=(100, 50), softcap=30.0)),
     (1, 128, True, {})],
-    ids=["causal", "window-softcap", "causal-d64", "window-softcap-d64", "causal-b1-chunk2"])
+    ids=["causal", "window-softcap", "causal-d64", "window-softcap-d64", "causal-b1-chunk"])
 def test_lowers_for_sm90(b, d, causal, options):
     """The compiled kernel, semaphores and the writer's TMA reduce-add and early slot release
     included (the interpreter runs none of them), lowers for sm_90; at batch 1 with two heads

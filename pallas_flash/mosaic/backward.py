@@ -127,14 +127,16 @@ class MosaicBackwardConfig:
         second warpgroup never started (NOTES.md, session 9), so interpret mode runs the
         unpaired kernel; elsewhere it changes nothing. The head_dim 256 default.
     fused_head_chunk: kv heads whose key tiles the fused kernel's launch order interleaves,
-        tile by tile (a divisor of the kv head count); None (the default) picks 2 at batch 1
-        where the kv heads are even, else 1 (`fused_backward.head_chunk`). Why: the grid
-        launches batch fastest, so at batch >= 2 consecutive CTAs belong to different chains
-        of ordered dQ adds, while at batch 1 they are consecutive links of one chain and each
-        waits on the one launched just before it. 1x16384 causal ran at 0.82-0.85x cuDNN
-        against 0.93-0.97x at 2x8192 (NOTES.md runs 54-58); two heads interleaved give batch 1
-        batch 2's order. (At batch 2, chunks of two or four heads were timed in run 25: +1.4%
-        at 8k, -2% at 16k causal; hence 1 there.)
+        tile by tile (a divisor of the kv head count); None (the default) picks, at batch 1,
+        the largest of 4, 2, 1 that divides the kv heads, else 1 (`fused_backward.head_chunk`).
+        Why: the grid launches batch fastest, so at batch >= 2 consecutive CTAs belong to
+        different chains of ordered dQ adds, while at batch 1 they are consecutive links of
+        one chain and each waits on the one launched just before it. Timed at batch 1, 16
+        heads, kernel alone (NOTES.md run 59), TFLOP/s for chunks 1 / 2 / 4: 16k causal 446.6
+        / 455.5 / 462.7 (cuDNN 519.3), non-causal 514.1 / 517.5 / 522.9 (575.5); 8k causal
+        368.5 / 405.8 / 423.1 (471.6), non-causal 484.6 / 505.1 / 513.4 (564.2). At batch 2,
+        chunks of two or four heads were timed in run 25: +1.4% at 8k, -2% at 16k causal;
+        hence 1 there.
     """
 
     dkdv_block_q: int = 64

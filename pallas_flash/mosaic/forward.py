@@ -243,9 +243,22 @@ def default_forward_config(head_dim: int, spec: AttentionSpec | None = None
     With `spec`, head_dim 128 calls without a position mask or segment ids, compiled, run in
     clusters of two CTAs (`MosaicForwardConfig.cluster`; NOTES.md runs 38-39: non-causal
     +1.6-1.8% at 8k, +6.7-11.7% at 16k; causal -1 to -2%, head_dim 256 -4 to -9%, head_dim 64
-    even).
+    even). Clusters of four lost to two there (run 59: 16k 568.5 against 592.0, 8k 565.0
+    against 609.0; unclustered 543.5 / 594.9; cuDNN 650.0 / 643.1).
+    With `spec`, compiled head_dim 64 calls run three compute warpgroups (192 query rows per
+    CTA, `MosaicForwardConfig.compute_wgs`), block_kv 128, overlap, registers 160 / 32: run 59,
+    2 x 8192 x 32 heads, 484.6 / 462.4 TFLOP/s (x cuDNN 1.02 / 1.08) against the two-warpgroup
+    default above, 399.7 / 389.1 (0.84 / 0.91) in the same run; three warpgroups without
+    overlap 419.4 / 416.5, block_kv 192 453.6 / 351.3 (with overlap 243.3 / 214.6: spills).
+    Not in interpret mode: jax 0.11.2's interpreter runs each warpgroup on a thread of XLA's
+    CPU pool, one thread per core, and a waiting warpgroup holds its thread, so four
+    warpgroups hung on two cores (tests/conftest.py raises the pool for the suite).
     """
     if head_dim <= 64:
+        if spec is not None and not spec.interpret:
+            return MosaicForwardConfig(block_q=64, block_kv=128, stages=2, pingpong=False,
+                                       overlap=True, compute_wgs=3, compute_registers=160,
+                                       copy_registers=32)
         return MosaicForwardConfig(block_q=64, block_kv=256, stages=2)
     if head_dim <= 128:
         return MosaicForwardConfig(block_q=64, block_kv=128, stages=2, pingpong=False,

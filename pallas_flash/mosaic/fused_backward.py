@@ -22,8 +22,8 @@ would build up (reasoned from the dependency chain; the upward walk was not time
 CTA streams the blocks of every q head of its group; `_fused_body` says in which order.
 Interleaving a few heads' tiles in the launch order, to start a causal grid's long tiles
 first, gained 1.4% at 8k and lost 2% at 16k at batch 2 (NOTES.md run 25): not kept there. At
-batch 1 two heads are interleaved by default (`head_chunk`), so that consecutive launches
-alternate between two chains of adds, as batch 2's do.
+batch 1 four heads are interleaved by default (`head_chunk`), so that consecutive launches
+alternate between chains of adds, as batch 2's do (NOTES.md run 59).
 
 The CTA. 128 key rows, four warpgroups:
   * two compute warpgroups, 64 key rows each, in the transposed orientation of backward.py
@@ -143,14 +143,16 @@ def side_registers(compute_registers: int) -> int:
 
 def head_chunk(cfg, batch: int, kv_heads: int) -> int:
     """How many kv heads' key tiles the grid interleaves tile by tile
-    (`MosaicBackwardConfig.fused_head_chunk`): the config's value, else 2 at batch 1 where the
-    kv heads are even, else 1. The grid launches batch fastest, so at batch >= 2 neighbouring
+    (`MosaicBackwardConfig.fused_head_chunk`): the config's value, else at batch 1 the largest
+    of 4, 2, 1 that divides the kv heads (NOTES.md run 59: 4 fastest), else 1. The grid launches batch fastest, so at batch >= 2 neighbouring
     CTAs already belong to different (batch, head) chains of ordered dQ adds; at batch 1 they
     would be neighbouring links of one chain, each waiting on the CTA launched just before it.
     """
     chunk = cfg.fused_head_chunk
     if chunk is None:
-        return 2 if batch == 1 and kv_heads % 2 == 0 else 1
+        if batch > 1:
+            return 1
+        return next(c for c in (4, 2, 1) if kv_heads % c == 0)
     if kv_heads % chunk:
         raise ValueError(f"MosaicBackwardConfig.fused_head_chunk={chunk} must divide the "
                          f"number of kv heads, {kv_heads}")
