@@ -150,6 +150,7 @@ def main():
 
     import pallas_flash as pf
     from benchmarks.check_log import timed
+    from benchmarks.mosaic_tune import field_value
     from pallas_flash import bench
     from pallas_flash.masking import make_mask_spec
     from pallas_flash.mosaic import backward as mb
@@ -163,7 +164,7 @@ def main():
     p.add_argument("--case", default="2x8192x16x16x128")
     p.add_argument("--causal", default="1,0")
     p.add_argument("--config", default="",
-                   help="overrides of the default config, 'field=value,...' (ints, 0/1 for bools)")
+                   help="overrides of the default config, 'field=value,...' (ints, 0/1 for bools, none)")
     p.add_argument("--trace-dir", default="/tmp/kernel_trace")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     args = p.parse_args()
@@ -181,10 +182,7 @@ def main():
         fields = {}
         for pair in filter(None, args.config.split(",")):
             name, value = pair.split("=")
-            default = getattr(base, name)
-            # None-valued fields (e.g. fused_head_chunk) take ints, or "none" for the rule.
-            fields[name] = (None if value == "none" else
-                            int(value) if default is None else type(default)(int(value)))
+            fields[name] = field_value(base, name, value)
         cfg = dataclasses.replace(base, **fields)
         folder = "fused_profile_dir" if args.which == "bwd" else "profile_dir"
         traced_cfg = dataclasses.replace(cfg, **{folder: args.trace_dir})

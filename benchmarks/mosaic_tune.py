@@ -84,7 +84,7 @@ def backward_candidates(head_dim: int) -> list[mb.MosaicBackwardConfig]:
     return out
 
 
-def _field_value(base, name: str, text: str):
+def field_value(base, name: str, text: str):
     """`text` as the type of config field `name`: 0/1 for bools, "none" for an optional field
     (whose default is None, e.g. fused_head_chunk) left to its rule, else the default's type."""
     default = getattr(base, name)
@@ -105,7 +105,7 @@ def named_backward_configs(head_dim: int, text: str) -> list[mb.MosaicBackwardCo
         fields = {}
         for pair in filter(None, item.split(",")):
             name, value = pair.split("=")
-            fields[name] = _field_value(base, name, value)
+            fields[name] = field_value(base, name, value)
         out.append(dataclasses.replace(base, **fields))
     return out
 

@@ -136,11 +136,12 @@ class MosaicForwardConfig:
       FlashAttention-3 tiles head_dim 64 (16-bit) with 192 query rows, three consumer
       warpgroups, and 128 (causal) / 192 (non-causal) keys (hopper/tile_size.h,
       tile_size_fwd_sm90), while this kernel at head_dim 64 runs at 0.84-0.89x cuDNN with 128
-      rows. Prediction, untimed: +5-10% non-causal at head_dim 64 if streaming K / V is the
-      limit. The risk is registers: 3 * compute + copy <= 512 leaves e.g. 160 / 32 per thread
-      against 232 / 40 with 2, which spills with a 64 x 256 S tile (block_kv 256) and may
-      with overlap's second P tile; sweep block_kv 128 / 192. Needs pingpong=False (its
-      rendezvous barrier pairs exactly two warpgroups).
+      rows. Predicted +5-10% non-causal at head_dim 64; measured +21% / +19% non-causal /
+      causal with block_kv 128 and overlap (NOTES.md run 59; the compiled head_dim 64
+      default, `default_forward_config`). At head_dim 128 (block_kv 64) it lost or tied (run
+      62). Registers bound it: 3 * compute + copy <= 512 leaves 160 / 32 per thread against
+      232 / 40 with 2 (block_kv 192 with overlap fell to about half: spills, presumably).
+      Needs pingpong=False (its rendezvous barrier pairs exactly two warpgroups).
     profile_dir: a folder for Mosaic GPU traces of the kernel (one per call; see
       common.profile_params), "" (the default) for none. A diagnostic.
     cluster: CTAs per cluster along the query tiles, 1, 2 or 4. With n > 1, n CTAs of adjacent
@@ -162,12 +163,11 @@ class MosaicForwardConfig:
       compiled head_dim 128 calls without a position mask or segment ids
       (`default_forward_config` with a spec; the compiled suite passed with it, NOTES.md runs 43
       and 56), under "auto" too since session 11 (its guard launches this kernel outside any
-      branch). Clusters of 4 are allowed but untimed (their compiled test,
-      test_cluster4_matches_reference_and_triton, passed on the H200: 17 cases); a sweep is
-      planned (benchmarks/mosaic_tune.py --fwd-cluster 1,2,4). Prediction: +2-5% over clusters
-      of 2 at 16k non-causal head_dim 128 if the L2 K / V stream is still the limit; 4 CTAs that
-      each fill an SM's shared memory must also be co-scheduled in one GPC, which may cost
-      occupancy.
+      branch). Clusters of 4 are an opt-in (their compiled test,
+      test_cluster4_matches_reference_and_triton, passed on the H200: 17 cases): predicted
+      +2-5% over clusters of 2 at 16k non-causal head_dim 128, they lost 4% there and 7% at 8k
+      (NOTES.md run 59; not located: 4 CTAs that each fill an SM's shared memory must be
+      co-scheduled in one GPC, one guess).
     """
 
     block_q: int = 64
