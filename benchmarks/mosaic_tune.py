@@ -97,10 +97,10 @@ def field_value(base, name: str, text: str):
     return type(default)(text)
 
 
-def named_backward_configs(head_dim: int, text: str) -> list[mb.MosaicBackwardConfig]:
-    """Configs from ';'-separated 'field=value,...' overrides of the head_dim's default."""
+def named_configs(base, text: str) -> list:
+    """Configs from ';'-separated 'field=value,...' overrides of `base` (an empty item is
+    `base` itself, so a list can time the default more than once)."""
     out = []
-    base = mb.default_backward_config(head_dim)
     for item in text.split(";"):
         fields = {}
         for pair in filter(None, item.split(",")):
@@ -134,6 +134,10 @@ def main():
     p.add_argument("--fwd-compute-wgs", default="2",
                    help="forward compute warpgroups, e.g. 2,3 (3: registers 160/32, no "
                         "ping-pong)")
+    p.add_argument("--fwd-configs", default=None,
+                   help="forward configs instead of the sweep: ';'-separated overrides of the "
+                        "call's default (default_forward_config with its spec), e.g. "
+                        "';block_kv=176,compute_registers=240,copy_registers=32'")
     p.add_argument("--bwd-configs", default=None,
                    help="backward configs instead of the sweep: ';'-separated overrides of the "
                         "head_dim's default, e.g. ';fused=1,dkdv_stages=2' (empty = the default)")
@@ -195,7 +199,9 @@ def main():
             if "fwd" in passes:
                 run("fwd", "cudnn", lambda: (jax.jit(lambda q, k, v: jax.nn.dot_product_attention(
                     q, k, v, is_causal=causal, implementation="cudnn")), (q, k, v)), fwd_flops)
-                for cfg in forward_candidates(d, **fwd_space):
+                for cfg in (forward_candidates(d, **fwd_space) if args.fwd_configs is None
+                            else named_configs(mf.default_forward_config(d, spec),
+                                               args.fwd_configs)):
                     run("fwd", "mosaic", lambda cfg=cfg: (jax.jit(
                         lambda q, k, v: mf.forward(spec, q, k, v, config=cfg)), (q, k, v)),
                         fwd_flops, config=repr(cfg))
@@ -210,7 +216,8 @@ def main():
 
                 run("bwd", "cudnn", cudnn_bwd, 2.5 * fwd_flops)
                 for cfg in (backward_candidates(d) if args.bwd_configs is None
-                            else named_backward_configs(d, args.bwd_configs)):
+                            else named_configs(mb.default_backward_config(d),
+                                               args.bwd_configs)):
                     run("bwd", "mosaic", lambda cfg=cfg: (jax.jit(
                         lambda *a: mb.backward(spec, *a, config=cfg)),
                         (q, k, v, out, st, do, dlse)), 2.5 * fwd_flops, config=repr(cfg))

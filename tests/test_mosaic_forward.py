@@ -235,7 +235,10 @@ def test_features_lower_for_sm90(sq, skv, opts):
 
 @pytest.mark.parametrize("fields,match", [
     (dict(block_q=128), "block_q"),
-    (dict(block_kv=96), "block_kv"),
+    (dict(block_kv=100), "block_kv"),
+    (dict(block_kv=48), "block_kv"),
+    (dict(block_kv=272), "block_kv"),
+    (dict(block_kv=176, cluster=4), "cluster"),     # 44-row slices: not whole 8-row tiles
     (dict(stages=1), "stages"),
     (dict(cluster=3), "cluster"),
     (dict(cluster=8), "cluster"),
@@ -254,9 +257,9 @@ def test_config_validation(fields, match):
         C(**fields)
 
 
-@pytest.mark.parametrize("block_kv", [64, 128, 192, 256])
+@pytest.mark.parametrize("block_kv", [64, 128, 160, 192, 256])
 def test_config_accepts_cluster_4(block_kv):
-    # Every block_kv splits into 4 multicast slices of whole 8-row tiles (16 rows or more).
+    # Multiples of 32 split into 4 multicast slices of whole 8-row tiles (16 rows or more).
     assert C(block_kv=block_kv, cluster=4).cluster == 4
 
 
@@ -406,3 +409,79 @@ def test_default_cluster(d, causal, has_segments, interpret, expected):
     spec = _spec(q, k, causal=causal, has_segments=has_segments, interpret=interpret)
     assert mosaic.default_forward_config(d, spec).cluster == expected
     assert mosaic.default_forward_config(d).cluster == 1
+
+
+# Key blocks that are multiples of 16 but not of 64, e.g. FlashAttention-3's 128 x 176 tile at
+# head_dim 128: V's shared memory takes a narrower swizzle (forward._v_transforms) so that the
+# P V product's K splits into its groups. Three cases run on the CPU (each key-block size, a
+# partial last block, GQA, causal, segment ids), the feature cases and clusters compiled.
+KEY176 = dict(block_kv=176, pingpong=False, overlap=True, compute_registers=240,
+              copy_registers=32)
+
+
+def _with(case, marks=COMPILED_ONLY, **fields):
+    return pytest.param(*case.values[:7], dataclasses.replace(case.values[7], **fields),
+                        case.values[8], id=case.id, marks=marks)
+
+
+@pytest.mark.skipif(ON_GPU and not IS_HOPPER, reason="Mosaic GPU kernel needs sm_90")
+@pytest.mark.parametrize("b,sq,skv,hq,hkv,d,dtype,config,opts", [
+    # 400 keys = 2 x 176 + 48: a partial last block; GQA.
+    pytest.param(1, 300, 400, 4, 2, 128, jnp.bfloat16, C(**KEY176), dict(causal=False),
+                 id="d128-176-gqa-partial"),
+    pytest.param(1, 200, 200, 2, 1, 128, jnp.float16, C(block_kv=160, pingpong=False,
+                                                          overlap=True),
+                 dict(causal=True), id="d128-160-causal"),
+    pytest.param(2, 200, 264, 2, 1, 64, jnp.bfloat16, C(block_kv=144),
+                 dict(causal=True, alignment="bottom_right", segments=True),
+                 id="d64-144-segments"),
+] + [_with(case, block_kv=176) for case in FEATURE_CASES] + [
+    pytest.param(2, 300, 300, 4, 2, 128, jnp.bfloat16, C(cluster=2, **KEY176),
+                 dict(causal=c), id=f"cluster2-odd-tiles-d128-176-{'causal' if c else 'full'}",
+                 marks=COMPILED_ONLY)
+    for c in (True, False)])
+def test_key_blocks_of_16_match_reference_and_triton(b, sq, skv, hq, hkv, d, dtype, config, opts):
+    test_features_match_reference_and_triton(b, sq, skv, hq, hkv, d, dtype, config, opts)
+
+
+@pytest.mark.parametrize("d,block_kv,causal,cluster", [
+    (128, 176, False, 2), (128, 176, True, 1), (128, 160, False, 4), (64, 144, True, 1)])
+def test_key_blocks_of_16_lower_for_sm90(d, block_kv, causal, cluster):
+    sq = skv = 1000
+    q, k, v = _inputs(2, sq, skv, 4, 2, d, jnp.bfloat16)
+    spec = _spec(q, k, causal=causal, interpret=False)
+    cfg = C(**{**KEY176, "block_kv": block_kv, "cluster": cluster})
+    fn = jax.jit(lambda q, k, v: mosaic.forward(spec, q, k, v, config=cfg))
+    text = fn.trace(q, k, v).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
+
+
+# config.fused_exponent: each weight's exponent as one multiply-add, u c - (m c), not (u - m) c.
+# Two cases on the CPU (softcap; window, causal and softcap), all feature cases compiled, and
+# large logits (q scaled by 30: logits of several hundred), where the fused form's rounding of
+# m c is largest.
+FUSED_EXP_ON_CPU = ("softcap-full-mqa", "window-causal-softcap")
+
+
+@pytest.mark.skipif(ON_GPU and not IS_HOPPER, reason="Mosaic GPU kernel needs sm_90")
+@pytest.mark.parametrize("b,sq,skv,hq,hkv,d,dtype,config,opts", [
+    _with(case, marks=() if case.id in FUSED_EXP_ON_CPU else COMPILED_ONLY, fused_exponent=True)
+    for case in FEATURE_CASES])
+def test_fused_exponent_matches_reference_and_triton(b, sq, skv, hq, hkv, d, dtype, config,
+                                                     opts):
+    test_features_match_reference_and_triton(b, sq, skv, hq, hkv, d, dtype, config, opts)
+
+
+@pytest.mark.skipif(ON_GPU and not IS_HOPPER, reason="Mosaic GPU kernel needs sm_90")
+@pytest.mark.parametrize("causal", [False, True])
+def test_fused_exponent_with_large_logits(causal):
+    q, k, v = _inputs(1, 200, 260, 2, 1, 128, jnp.bfloat16, seed=7)
+    q = (q.astype(jnp.float32) * 30.0).astype(q.dtype)
+    spec = _spec(q, k, causal=causal)
+    cfg = dataclasses.replace(mosaic.default_forward_config(128, spec), fused_exponent=True)
+    out, st = mosaic.forward(spec, q, k, v, config=cfg)
+    ref, ref_lse = pf.reference_attention(*(x.astype(jnp.float32) for x in (q, k, v)),
+                                          causal=causal, return_lse=True)
+    assert np.abs(np.asarray(st.m)).max() > 100     # the regime this is about
+    assert_close("O", out.astype(jnp.float32), ref, TOLERANCE[jnp.dtype(q.dtype)])
+    assert _rel(stats.to_lse(spec, st), ref_lse) < 1e-4

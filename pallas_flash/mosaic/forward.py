@@ -142,6 +142,12 @@ class MosaicForwardConfig:
       62). Registers bound it: 3 * compute + copy <= 512 leaves 160 / 32 per thread against
       232 / 40 with 2 (block_kv 192 with overlap fell to about half: spills, presumably).
       Needs pingpong=False (its rendezvous barrier pairs exactly two warpgroups).
+    fused_exponent: form each weight's exponent as one multiply-add, u c - (m c), instead of
+      (u - m) c, a subtraction and a multiplication: one instruction less per score, as
+      FlashAttention-3 does. (u - m) is exact near the row maximum; the fused form carries the
+      rounding of m c, a relative error of about |m c| 2^-24 in each weight (6e-5 at logits
+      of 1e4 in base-2 units), far below a 16-bit operand's rounding; stats.py's m and r are
+      unchanged.
     profile_dir: a folder for Mosaic GPU traces of the kernel (one per call; see
       common.profile_params), "" (the default) for none. A diagnostic.
     cluster: CTAs per cluster along the query tiles, 1, 2 or 4. With n > 1, n CTAs of adjacent
@@ -180,23 +186,30 @@ class MosaicForwardConfig:
     profile_dir: str = ""
     cluster: int = 1
     compute_wgs: int = 2
+    fused_exponent: bool = False
 
     def __post_init__(self):
         if self.block_q != 64:
             # One wgmma M tile per warpgroup; 128 would need two accumulators per warpgroup.
             raise ValueError(f"MosaicForwardConfig.block_q must be 64, got {self.block_q}")
-        if self.block_kv % 64 or not 64 <= self.block_kv <= 256:
-            raise ValueError(
-                f"MosaicForwardConfig.block_kv must be 64, 128, 192 or 256, got {self.block_kv}")
+        # A multiple of 16: the P V product's K (block_kv) in the 16-key groups of a 32-byte
+        # swizzle at the narrowest (_v_transforms); at most 256, a wgmma's largest N (Q K^T).
+        if self.block_kv % 16 or not 64 <= self.block_kv <= 256:
+            raise ValueError("MosaicForwardConfig.block_kv must be a multiple of 16 in "
+                             f"[64, 256], got {self.block_kv}")
         if self.stages < 2:
             raise ValueError(f"MosaicForwardConfig.stages must be >= 2, got {self.stages}")
         # Each copy warpgroup multicasts block_kv / cluster rows of every K / V block, and
-        # Mosaic GPU splits a block only into whole 8-row tiles of its swizzled layout. Every
-        # block_kv above is a multiple of 64, so 2 and 4 always split it (16 rows or more per
-        # slice with 4) and no block_kv needs refusing; 3 would not divide 64, 128 or 256.
+        # Mosaic GPU splits a block only into whole 8-row tiles of its swizzled layout: 2
+        # splits every block_kv above (a multiple of 16), 4 only multiples of 32.
         if self.cluster not in (1, 2, 4):
             raise ValueError(
                 f"MosaicForwardConfig.cluster must be 1, 2 or 4, got {self.cluster}")
+        if (self.block_kv // self.cluster) % 8:
+            raise ValueError(
+                f"MosaicForwardConfig.cluster must be 1 or 2 at block_kv={self.block_kv} (each "
+                f"CTA's multicast slice, block_kv / cluster rows, must be whole 8-row tiles), "
+                f"got {self.cluster}")
         if self.compute_wgs not in (2, 3):
             raise ValueError(
                 f"MosaicForwardConfig.compute_wgs must be 2 or 3, got {self.compute_wgs}")
@@ -378,7 +391,10 @@ def _kernel_body(q_ref, k_ref, v_ref, q_ids_ref, kv_ids_ref, cta_seg_ref, wg_seg
             m_new = jnp.maximum(m, jnp.max(u, axis=1))
             m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
             alpha = jnp.exp2((m - m_safe) * c)
-            p = jnp.exp2((u - _bcast_rows(m_safe, u.shape)) * c)
+            if cfg.fused_exponent:
+                p = jnp.exp2(u * c - _bcast_rows(m_safe * c, u.shape))
+            else:
+                p = jnp.exp2((u - _bcast_rows(m_safe, u.shape)) * c)
             l = l * alpha + jnp.sum(p, axis=1)
             return m_new, alpha, p, l
 
@@ -650,7 +666,7 @@ def forward(spec: AttentionSpec, q, k, v, q_ids=None, kv_ids=None, *,
     scratch = [
         plgpu.SMEM((wgs, cfg.block_q, head_dim), dtype),
         plgpu.SMEM((cfg.stages, cfg.block_kv, head_dim), dtype),
-        plgpu.SMEM((cfg.stages, cfg.block_kv, head_dim), dtype),
+        plgpu.SMEM((cfg.stages, cfg.block_kv, head_dim), dtype, **_v_transforms(cfg, dtype)),
         plgpu.SMEM((wgs, cfg.block_q), jnp.float32),
         plgpu.SMEM((wgs, cfg.block_q), jnp.float32),
         plgpu.Barrier(num_barriers=wgs),
@@ -687,6 +703,23 @@ def forward(spec: AttentionSpec, q, k, v, q_ids=None, kv_ids=None, *,
         args += _segment_operands(q_ids, kv_ids, cfg, n_tiles)
     out, m, r = call(*args)
     return out[:, :seq_q], RowStats(m[..., :seq_q], r[..., :seq_q])
+
+
+def _v_transforms(cfg: MosaicForwardConfig, dtype) -> dict:
+    """V's shared-memory layout when block_kv is not a multiple of 64.
+
+    Mosaic GPU issues a wgmma's K dimension in groups as wide as the B operand's swizzle (64
+    16-bit elements at the 128-byte swizzle it picks by itself), and K of the P V product is
+    block_kv. A narrower swizzle on V alone (tiles of 8 keys x swizzle / itemsize columns)
+    takes K in groups of 32 (64 bytes) or 16 (32 bytes), so 160 and 176 key blocks lower; K
+    (the N of Q K^T, tiled by 8) keeps the default.
+    """
+    itemsize = jnp.dtype(dtype).itemsize
+    swizzle = next(s for s in (128, 64, 32) if cfg.block_kv % (s // itemsize) == 0)
+    if swizzle == 128:
+        return {}   # Mosaic GPU's own choice: the layout every default was timed with
+    return dict(transforms=(plgpu.TilingTransform((8, swizzle // itemsize)),
+                            plgpu.SwizzleTransform(swizzle)))
 
 
 def _cluster_params(cluster: int) -> dict:
