@@ -25,6 +25,7 @@ from jax import lax  # noqa: E402
 
 import pallas_flash as pf  # noqa: E402
 from benchmarks.check_log import timed  # noqa: E402
+from benchmarks.mosaic_tune import named_configs  # noqa: E402
 from pallas_flash.masking import make_mask_spec  # noqa: E402
 from pallas_flash.mosaic import backward as mb  # noqa: E402
 from pallas_flash.mosaic import forward as mf  # noqa: E402
@@ -55,6 +56,9 @@ def main():
     p.add_argument("--block-kv", type=int, default=128)
     p.add_argument("--overlap", default="0,1", help="forward: 0 / 1 (ping-pong otherwise), "
                    "or 'default' for the default config; comma list")
+    p.add_argument("--configs", default=None,
+                   help="forward: ';'-separated overrides of the call's default config "
+                        "(mosaic_tune.py --fwd-configs), instead of --block-kv / --overlap")
     p.add_argument("--kernel", choices=("fwd", "bwd"), default="fwd")
     p.add_argument("--causal", default="1,0", help="backward only")
     args = p.parse_args()
@@ -68,10 +72,14 @@ def main():
     spec = AttentionSpec(mask=make_mask_spec(s, s, causal=False), scale=1 / math.sqrt(d),
                          softcap=None, has_segments=False, precision=lax.Precision.DEFAULT,
                          config=pf.default_config(d, jnp.bfloat16), interpret=False)
-    for ov in args.overlap.split(","):
+    if args.configs is not None:
+        configs = named_configs(mf.default_forward_config(d, spec), args.configs)
+    else:
         # "default": the head_dim's default config, as users run it.
-        cfg = (mf.default_forward_config(d) if ov == "default"
-               else mf.MosaicForwardConfig(block_kv=args.block_kv, overlap=bool(int(ov))))
+        configs = [mf.default_forward_config(d) if ov == "default"
+                   else mf.MosaicForwardConfig(block_kv=args.block_kv, overlap=bool(int(ov)))
+                   for ov in args.overlap.split(",")]
+    for cfg in configs:
         print(f"=== {cfg}", flush=True)
         fn = jax.jit(lambda q, k, v, cfg=cfg: mf.forward(spec, q, k, v, config=cfg))
         _, t = timed(fn, (q, k, v), 10)

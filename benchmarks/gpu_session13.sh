@@ -1,0 +1,77 @@
+#!/usr/bin/env bash
+# Session 13 (one H200): FlashAttention-3's 128 x 176 forward tile and the fused exponent.
+#   usage: bash benchmarks/gpu_session13.sh PART   (PART: a, b; see below)
+#   a: compiled tests of the new options; ptxas' report (registers, spills) for the forward's
+#      candidate configs; the forward candidates timed alone at head_dim 128 (2 x 8k / 16k x
+#      16 heads, causal and not; the default timed twice, first and last, for the drift), and
+#      the backward with and without the fused exponent (2 x 8k and 1 x 16k).
+#   b: FWD_CONFIGS / BWD_CONFIGS at head_dim 64 and 256; Nsight Compute's warp states and
+#      tensor-pipe use for the forward (FWD_NCU configs) and cuDNN's forward, 2 x 8k x 16 x 128.
+source "$(dirname "$0")/gpu_common.sh"
+PART=${1:-a}
+K176="block_kv=176,compute_registers=240,copy_registers=32"
+FWD128=${FWD128:-";fused_exponent=1;$K176;$K176,fused_exponent=1;block_kv=160,compute_registers=240,copy_registers=32;"}
+
+tune() {  # $1 = log name, $2 = limit, rest = mosaic_tune arguments
+  local name=$1 limit=$2
+  shift 2
+  mkdir -p "$R/$name"
+  timeout "$limit" python3 benchmarks/mosaic_tune.py --iters 10 --out "$R/$name" "$@" \
+    > "$OUT/$name.log" 2>&1
+  echo "exit: $?" >> "$OUT/$name.log"
+}
+
+if [ "$PART" = a ]; then
+  timeout 170 python3 -m pytest -q --compiled -p no:cacheprovider -n 8 --timeout=160 \
+    --timeout-method=thread tests/test_mosaic_forward.py tests/test_mosaic_backward.py \
+    -k "key_blocks or fused_exponent" > "$OUT/tests.log" 2>&1
+  echo "exit: $?" >> "$OUT/tests.log"
+  MOSAIC_GPU_DUMP_PTXAS=1 MOSAIC_GPU_DUMP_TO="$R/dump" timeout 60 python3 \
+    benchmarks/mosaic_ptxas.py --head-dim 128 --configs ";$K176;fused_exponent=1" \
+    > "$OUT/ptxas.log" 2>&1
+  echo "exit: $?" >> "$OUT/ptxas.log"
+  tune fwd128 130 --passes fwd --head-dims 128 --seq 8192,16384 --causal 0,1 \
+    --fwd-configs "$FWD128"
+  tune bwd128 100 --passes bwd --head-dims 128 --seq 8192 --causal 0,1 \
+    --bwd-configs ";fused_exponent=1;"
+  tune bwd128b1 100 --passes bwd --head-dims 128 --seq 16384 --batch 1 --causal 1,0 \
+    --bwd-configs ";fused_exponent=1;"
+fi
+
+if [ "$PART" = b ]; then
+  tune fwd64 80 --passes fwd,bwd --head-dims 64 --seq 8192 --causal 0,1 \
+    --fwd-configs "${FWD64:-;fused_exponent=1}" --bwd-configs "${BWD64:-;fused_exponent=1}"
+  tune d256 100 --passes fwd,bwd --head-dims 256 --seq 8192 --causal 0,1 \
+    --fwd-configs "${FWD256:-;fused_exponent=1}" --bwd-configs "${BWD256:-;fused_exponent=1}"
+  MET=sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active,lts__t_sector_hit_rate.pct
+  IFS='|' read -ra NCU_CFGS <<< "${FWD_NCU:-|$K176}"
+  for cfg in "${NCU_CFGS[@]}"; do
+    echo "=== mosaic fwd [$cfg]" >> "$OUT/ncu.txt"
+    timeout 90 ncu --clock-control none -k regex:mosaic_fwd -c 1 --section SpeedOfLight \
+      --section WarpStateStats --metrics $MET \
+      python3 benchmarks/mosaic_ptxas.py --head-dim 128 --configs "$cfg" >> "$OUT/ncu.txt" 2>&1
+    echo "ncu exit: $?" >> "$OUT/ncu.txt"
+  done
+  echo "=== cudnn fwd" >> "$OUT/ncu.txt"
+  timeout 90 ncu --clock-control none -k regex:"fprop|sdpa|flash" -c 1 --section SpeedOfLight \
+    --section WarpStateStats --metrics $MET \
+    python3 benchmarks/mosaic_tune.py --passes fwd --head-dims 128 --causal 0 --iters 1 \
+    --fwd-configs "" --out "$R" >> "$OUT/ncu.txt" 2>&1
+  echo "ncu exit: $?" >> "$OUT/ncu.txt"
+fi
+
+grep -h "ptxas\|registers\|spill\|C7513" -r "$R/dump" 2>/dev/null | sort | uniq -c | head -40 \
+  > "$OUT/ptxas_summary.txt"
+tar -czf "$OUT/results.tar.gz" -C "$R" . && rm -rf "$R"
+[ -f "$OUT/tests.log" ] && { echo "== tests"; grep -E "^(FAILED|ERROR)|passed|failed|exit" \
+  "$OUT/tests.log" | tail -12; }
+for f in "$OUT"/fwd*.log "$OUT"/bwd*.log "$OUT"/d256.log; do
+  [ -f "$f" ] && { echo "== $f"; grep -E "impl=|rror|exit" "$f" \
+    | sed -E 's/config=Mosaic(Forward|Backward)Config\((.*)\) ms=/cfg[\2] ms=/' \
+    | sed -E 's/ (block_q=64|stages=2|pingpong=False|profile_dir=.."|dkdv_block_q=[0-9]+|dq_block_kv=[0-9]+|dkdv_stages=[0-9]|dq_stages=[0-9]|dq_compute_wgs=[0-9]|fused_profile_dir=..|fused_stages=[0-9]|fused_dq_slots=[0-9]|dkdv_paired=False|fused=True|fused_head_chunk=None),?//g' \
+    | cut -c1-230; }
+done
+[ -f "$OUT/ptxas.log" ] && { echo "== ptxas"; grep -E "===|rror|exit|registers|spill|C7513" "$OUT/ptxas.log" | uniq -c | cut -c1-200; cat "$OUT/ptxas_summary.txt"; }
+[ -f "$OUT/ncu.txt" ] && echo "== ncu" && grep -vE "^==PROF==|^\s*$|^\s*-+\s*$" "$OUT/ncu.txt" \
+  | grep -E "===|exit|Throughput|hmma|hit_rate|Duration|Registers|Warp Cycles|Stall|pallas|Elapsed|Issued" \
+  | cut -c1-150 | head -90
