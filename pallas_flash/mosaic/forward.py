@@ -109,9 +109,20 @@ __all__ = ["KERNEL_NAME", "MosaicForwardConfig", "default_forward_config", "forw
 
 KERNEL_NAME = "pallas_flash_mosaic_fwd"
 F16_MAX = 65504.0
-# Per-thread registers summed over a CTA's warpgroups (65536 registers / 128 threads): the sum of
-# every warpgroup's setmaxnreg budget must fit the register file.
+# Per-thread registers summed over a CTA's warpgroups (65536 registers / 128 threads).
 MAX_REGISTERS = 512
+
+
+def register_budget(warpgroups: int) -> int:
+    """The most that a CTA's warpgroups' setmaxnreg budgets may sum to, per thread.
+
+    A launch gives every thread the same count, a multiple of 8: 168 with three warpgroups
+    (512 / 3 rounded down), 128 with four. setmaxnreg only moves registers between the
+    CTA's warpgroups, so the budgets must fit in what the launch handed out: 504 with three
+    warpgroups, not 512. Past it, the last increase waits forever for registers that no
+    warpgroup frees: 240 / 240 / 32 hung the H200 (NOTES.md, session 13, run 64).
+    """
+    return warpgroups * (MAX_REGISTERS // warpgroups // 8 * 8)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,9 +137,9 @@ class MosaicForwardConfig:
       block j - 1 and run the softmax of block j while P V is still on the tensor cores
       (FlashAttention-3's intra-warpgroup pipelining). It holds a second P tile in registers.
     compute_registers / copy_registers: per-thread register budgets after the split
-      (setmaxnreg: multiples of 8 in [24, 256]). An SM's 64K 32-bit registers make 512 per
-      thread of a 128-thread warpgroup, so compute_wgs * compute_registers + copy_registers
-      must be <= 512.
+      (setmaxnreg: multiples of 8 in [24, 256]). compute_wgs * compute_registers +
+      copy_registers must fit what the launch gives the CTA: 504 per thread with two compute
+      warpgroups, 512 with three (`register_budget`).
     compute_wgs: compute warpgroups per CTA, 2 (the default) or 3; one more warpgroup issues
       the copies. Each K / V block streamed into shared memory serves compute_wgs * block_q
       query rows, so 3 warpgroups (192 rows) read K and V a third fewer times per query row
@@ -217,14 +228,14 @@ class MosaicForwardConfig:
             # The ping-pong rendezvous offsets one warpgroup against exactly one other.
             raise ValueError("MosaicForwardConfig.compute_wgs must be 2 with pingpong=True, "
                              f"got {self.compute_wgs}")
-        if self.compute_wgs * self.compute_registers + self.copy_registers > MAX_REGISTERS:
-            # The warpgroups' budgets share one register file: past it, they cannot all be
-            # granted.
-            most = (MAX_REGISTERS - self.copy_registers) // self.compute_wgs
+        budget = register_budget(self.compute_wgs + 1)
+        if self.compute_wgs * self.compute_registers + self.copy_registers > budget:
+            # Past the launch's registers the last setmaxnreg increase never returns.
+            most = (budget - self.copy_registers) // self.compute_wgs // 8 * 8
             raise ValueError(
                 f"MosaicForwardConfig.compute_registers must be at most {most} with "
                 f"compute_wgs={self.compute_wgs} and copy_registers={self.copy_registers} "
-                f"(compute_wgs * compute_registers + copy_registers <= {MAX_REGISTERS}), "
+                f"(compute_wgs * compute_registers + copy_registers <= {budget}), "
                 f"got {self.compute_registers}")
 
     @property
