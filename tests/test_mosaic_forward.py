@@ -459,19 +459,20 @@ def test_key_blocks_of_16_lower_for_sm90(d, block_kv, causal, cluster):
     assert "mosaic_gpu" in text
 
 
-# config.fused_exponent: each weight's exponent as one multiply-add, u c - (m c), not (u - m) c.
-# Two cases on the CPU (softcap; window, causal and softcap), all feature cases compiled, and
-# large logits (q scaled by 30: logits of several hundred), where the fused form's rounding of
-# m c is largest.
-FUSED_EXP_ON_CPU = ("softcap-full-mqa", "window-causal-softcap")
+# config.fused_exponent (the default): each weight's exponent as one multiply-add, u c - (m c).
+# Every other forward test runs it; here the unfused (u - m) c, two cases on the CPU (softcap;
+# window, causal and softcap) and all feature cases compiled, and the fused form with large
+# logits (q scaled by 30: logits of several hundred), where its rounding of m c is largest.
+UNFUSED_EXP_ON_CPU = ("softcap-full-mqa", "window-causal-softcap")
 
 
 @pytest.mark.skipif(ON_GPU and not IS_HOPPER, reason="Mosaic GPU kernel needs sm_90")
 @pytest.mark.parametrize("b,sq,skv,hq,hkv,d,dtype,config,opts", [
-    _with(case, marks=() if case.id in FUSED_EXP_ON_CPU else COMPILED_ONLY, fused_exponent=True)
+    _with(case, marks=() if case.id in UNFUSED_EXP_ON_CPU else COMPILED_ONLY,
+          fused_exponent=False)
     for case in FEATURE_CASES])
-def test_fused_exponent_matches_reference_and_triton(b, sq, skv, hq, hkv, d, dtype, config,
-                                                     opts):
+def test_unfused_exponent_matches_reference_and_triton(b, sq, skv, hq, hkv, d, dtype, config,
+                                                       opts):
     test_features_match_reference_and_triton(b, sq, skv, hq, hkv, d, dtype, config, opts)
 
 
@@ -481,10 +482,19 @@ def test_fused_exponent_with_large_logits(causal):
     q, k, v = _inputs(1, 200, 260, 2, 1, 128, jnp.bfloat16, seed=7)
     q = (q.astype(jnp.float32) * 30.0).astype(q.dtype)
     spec = _spec(q, k, causal=causal)
-    cfg = dataclasses.replace(mosaic.default_forward_config(128, spec), fused_exponent=True)
+    cfg = mosaic.default_forward_config(128, spec)
+    assert cfg.fused_exponent
     out, st = mosaic.forward(spec, q, k, v, config=cfg)
     ref, ref_lse = pf.reference_attention(*(x.astype(jnp.float32) for x in (q, k, v)),
                                           causal=causal, return_lse=True)
     assert np.abs(np.asarray(st.m)).max() > 100     # the regime this is about
     assert_close("O", out.astype(jnp.float32), ref, TOLERANCE[jnp.dtype(q.dtype)])
     assert _rel(stats.to_lse(spec, st), ref_lse) < 1e-4
+
+
+def test_register_budget():
+    # A launch of three warpgroups gives each thread 168 registers (504 / thread summed), of
+    # four 128 (512): setmaxnreg can only redistribute those.
+    assert mosaic.register_budget(3) == 504 and mosaic.register_budget(4) == 512
+    C(compute_registers=240, copy_registers=24)
+    C(compute_wgs=3, pingpong=False, compute_registers=160, copy_registers=32)

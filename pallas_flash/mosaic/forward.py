@@ -150,15 +150,19 @@ class MosaicForwardConfig:
       rows. Predicted +5-10% non-causal at head_dim 64; measured +21% / +19% non-causal /
       causal with block_kv 128 and overlap (NOTES.md run 59; the compiled head_dim 64
       default, `default_forward_config`). At head_dim 128 (block_kv 64) it lost or tied (run
-      62). Registers bound it: 3 * compute + copy <= 512 leaves 160 / 32 per thread against
-      232 / 40 with 2 (block_kv 192 with overlap fell to about half: spills, presumably).
+      62). Registers bound it: 3 * compute + copy <= 512 (`register_budget`) leaves 160 / 32
+      per thread against 232 / 40 with 2 (block_kv 192 with overlap fell to about half: spills, presumably).
       Needs pingpong=False (its rendezvous barrier pairs exactly two warpgroups).
     fused_exponent: form each weight's exponent as one multiply-add, u c - (m c), instead of
       (u - m) c, a subtraction and a multiplication: one instruction less per score, as
       FlashAttention-3 does. (u - m) is exact near the row maximum; the fused form carries the
       rounding of m c, a relative error of about |m c| 2^-24 in each weight (6e-5 at logits
       of 1e4 in base-2 units), far below a 16-bit operand's rounding; stats.py's m and r are
-      unchanged.
+      unchanged. The default (NOTES.md runs 64-65, kernel alone, TFLOP/s unfused -> fused,
+      cuDNN in the same process): head_dim 128, 2 x 8k x 16 heads, non-causal 633 -> 653 and
+      603 -> 622, causal 563 / 568 -> 576; 2 x 16k non-causal 586 / 609 -> 603, causal 607 /
+      604 -> 599 (the one loss, within the run's spread); head_dim 64 469 -> 500 / 458 -> 472;
+      head_dim 256 678 -> 694 / 649 -> 666.
     profile_dir: a folder for Mosaic GPU traces of the kernel (one per call; see
       common.profile_params), "" (the default) for none. A diagnostic.
     cluster: CTAs per cluster along the query tiles, 1, 2 or 4. With n > 1, n CTAs of adjacent
@@ -197,7 +201,7 @@ class MosaicForwardConfig:
     profile_dir: str = ""
     cluster: int = 1
     compute_wgs: int = 2
-    fused_exponent: bool = False
+    fused_exponent: bool = True
 
     def __post_init__(self):
         if self.block_q != 64:
