@@ -37,9 +37,9 @@ if [ "$PART" = a ]; then
   tune fwd128 130 --passes fwd --head-dims 128 --seq 8192,16384 --causal 0,1 \
     --fwd-configs "$FWD128"
   tune bwd128 100 --passes bwd --head-dims 128 --seq 8192 --causal 0,1 \
-    --bwd-configs ";fused_exponent=1;"
+    --bwd-configs "${BWD128:-;fused_exponent=1;}"
   tune bwd128b1 100 --passes bwd --head-dims 128 --seq 16384 --batch 1 --causal 1,0 \
-    --bwd-configs ";fused_exponent=1;"
+    --bwd-configs "${BWD128:-;fused_exponent=1;}"
 fi
 
 if [ "$PART" = c ]; then
@@ -66,9 +66,10 @@ fi
 if [ "$PART" = suite ]; then
   # The compiled suite on one GPU, verbose (a run cut by its limit names what passed, and
   # LEFT, a file of node ids, runs the rest in the next call).
-  TESTS=${LEFT:+$(cat "$LEFT")}
+  TESTS=(tests)
+  [ -n "${LEFT:-}" ] && mapfile -t TESTS < "$LEFT"   # one node id a line (ids hold spaces)
   timeout "${SUITE_TIMEOUT:-530}" python3 -m pytest -v -rfE --compiled -p no:cacheprovider \
-    -n "${WORKERS:-14}" --timeout=150 --timeout-method=thread $IGNORE ${TESTS:-tests} \
+    -n "${WORKERS:-14}" --timeout=150 --timeout-method=thread $IGNORE "${TESTS[@]}" \
     > "$OUT/tests.log" 2>&1
   echo "exit: $?" >> "$OUT/tests.log"
   grep -cE " PASSED " "$OUT/tests.log" > "$OUT/tests_count.txt"

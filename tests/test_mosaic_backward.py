@@ -8,7 +8,6 @@ lowering test runs the Python half of the sm_90 compile on any machine, which co
 compiled-only path (wgmma operands in registers, in-place accumulation, shared-memory limit).
 """
 
-import dataclasses
 import importlib
 
 import jax
@@ -190,42 +189,6 @@ def test_staged_kernels_carry_their_names():
 
 
 PAIRED = Config(dkdv_block_q=64, dq_block_kv=64, dq_compute_wgs=1, dkdv_paired=True)
-COMPILED_ONLY = pytest.mark.skipif(not IS_HOPPER, reason="compiled only (the fused and paired "
-                                   "kernels; one case runs on the CPU)")
-
-
-@needs_hopper
-@pytest.mark.parametrize("b,sq,skv,hq,hkv,d,dtype,options,config", [
-    # The two kernels: softcap, causal GQA (on the CPU too) ...
-    pytest.param(1, 256, 256, 4, 2, 64, jnp.bfloat16, dict(causal=True, softcap=2.0),
-                 Config(dq_block_kv=64, fused_exponent=True), id="two-kernels-softcap"),
-    # ... segment ids, a window and partial tiles.
-    pytest.param(2, 200, 180, 2, 2, 128, jnp.float16,
-                 dict(causal=True, window=(50, None), segments=(3, 7, 20)),
-                 Config(dq_compute_wgs=1, fused_exponent=True), id="two-kernels-segments",
-                 marks=COMPILED_ONLY),
-    # The fused kernel (the head_dim 64 / 128 default) and the paired head_dim 256 dK/dV.
-    pytest.param(2, 384, 384, 4, 2, 128, jnp.bfloat16, dict(causal=True),
-                 dataclasses.replace(mosaic.default_backward_config(128), fused_exponent=True),
-                 id="fused-causal-gqa",
-                 marks=COMPILED_ONLY),
-    pytest.param(1, 200, 264, 2, 1, 64, jnp.bfloat16, dict(window=(100, 50), softcap=30.0),
-                 dataclasses.replace(mosaic.default_backward_config(64), fused_exponent=True),
-                 id="fused-window-softcap-d64",
-                 marks=COMPILED_ONLY),
-    pytest.param(2, 384, 384, 4, 2, 256, jnp.bfloat16, dict(causal=True),
-                 dataclasses.replace(PAIRED, fused_exponent=True), id="paired-d256",
-                 marks=COMPILED_ONLY),
-])
-def test_fused_exponent_matches_reference_and_triton(b, sq, skv, hq, hkv, d, dtype, options,
-                                                     config):
-    """MosaicBackwardConfig.fused_exponent: P's exponent as u c - (m c + r) in every kernel."""
-    def served(spec, q, k, v):
-        assert mosaic.unsupported_reason(spec, q, k, v, config) is None
-        assert mosaic.uses_fused(spec, q, k, config) == config.fused
-
-    _variant_matches(b, sq, skv, hq, hkv, d, dtype, options, config, seed=83,
-                     check_spec=served)
 
 
 @pytest.mark.skipif(not IS_HOPPER, reason="the paired dK/dV kernel runs compiled only "

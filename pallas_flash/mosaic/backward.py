@@ -86,8 +86,7 @@ from pallas_flash.mosaic.common import (SMEM_LIMIT, SMEM_RESERVED, clamp_range, 
                                        stream_through_slots, streamed_range,
                                        unsupported_operands)
 from pallas_flash.mosaic.tiles import (WG_ROWS, accumulate, bcast_cols, bcast_rows, idiv, matmul,
-                                      exponent, positions, product, row_vector,
-                                      transposed_probabilities,
+                                      positions, product, row_vector, transposed_probabilities,
                                       transposed_score_grads, transposed_weights, zeros_acc)
 from pallas_flash.spec import AttentionSpec
 from pallas_flash.stats import LOG2E, RowStats, logit_scale, output_dot
@@ -138,9 +137,6 @@ class MosaicBackwardConfig:
         368.5 / 405.8 / 423.1 (471.6), non-causal 484.6 / 505.1 / 513.4 (564.2). At batch 2,
         chunks of two or four heads were timed in run 25: +1.4% at 8k, -2% at 16k causal;
         hence 1 there.
-    fused_exponent: recompute each weight's exponent as u c - (m c + r), one multiply-add per
-        score, instead of (u - m) c - r (`tiles.exponent`; the forward's option of the same
-        name), in every kernel of the pass.
     """
 
     dkdv_block_q: int = 64
@@ -156,7 +152,6 @@ class MosaicBackwardConfig:
     fused_profile_dir: str = ""
     dkdv_paired: bool = False
     fused_head_chunk: int | None = None
-    fused_exponent: bool = False
 
     def __post_init__(self):
         for name in ("dkdv_block_q", "dq_block_kv"):
@@ -391,7 +386,7 @@ def _dkdv_body(q_ref, k_ref, v_ref, do_ref, st_ref, q_ids_ref, kv_ids_ref, cta_s
             if col == 0:
                 wait_q()
                 p_t, _, _ = transposed_probabilities(spec, c, my_k, q_blk, st, shape,
-                                                     visible_fn, cfg.fused_exponent)
+                                                     visible_fn)
                 plgpu.barrier_wait(pt_free)
                 pt_smem[...] = p_t
                 plgpu.barrier_arrive(pt_ready)
@@ -461,7 +456,7 @@ def _dkdv_body(q_ref, k_ref, v_ref, do_ref, st_ref, q_ids_ref, kv_ids_ref, cta_s
             p_t, ds_t = transposed_weights(
                 spec, c, my_k, my_v, q_blk, do_blk, st, shape, wait_q=wait_q,
                 wait_do=lambda: plgpu.barrier_wait(do_loaded.at[slot]),
-                visible_fn=visible_fn if masked else None, fused_exponent=cfg.fused_exponent)
+                visible_fn=visible_fn if masked else None)
             dv = product(dv, p_t.astype(dtype), do_blk.at[col_slice],
                           interpret=spec.interpret, stage_ref=stage)
             ds_in, rescale, fk = _cast_rows(ds_t, fk, dtype)
@@ -619,7 +614,7 @@ def _dq_body(q_ref, k_ref, v_ref, do_ref, st_ref, q_ids_ref, kv_ids_ref, cta_seg
             slot = slot_of(s)
             plgpu.barrier_wait(k_loaded.at[slot])
             u, t = logit_units(spec, matmul(my_q, k_smem.at[slot].T, shape))
-            p = jnp.exp2(exponent(u, m, r, c, bcast_rows, cfg.fused_exponent))
+            p = jnp.exp2((u - bcast_rows(m, shape)) * c - bcast_rows(r, shape))
             visible = None
             if masked:
                 q_pos, k_pos = positions(shape, q0, s * block_kv)

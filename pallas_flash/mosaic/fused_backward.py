@@ -310,7 +310,7 @@ def _fused_body(q_ref, k_ref, v_ref, do_ref, st_ref, dk_ref, dv_ref, dq_ref,
             p_t, ds_t = transposed_weights(
                 spec, c, my_k, my_v, q_blk, do_blk, st, shape, wait_q=wait_q,
                 wait_do=lambda: plgpu.barrier_wait(do_loaded.at[slot]),
-                visible_fn=visible_fn if masked else None, fused_exponent=cfg.fused_exponent)
+                visible_fn=visible_fn if masked else None)
             dv = product(dv, p_t.astype(dtype), do_blk, interpret=spec.interpret,
                          stage_ref=stage)
             ds_t = ds_t.astype(dtype)

@@ -80,7 +80,7 @@ def idiv(x, d: int):
 
 
 def transposed_weights(spec, c, k_tile, v_tile, q_blk, do_blk, st, shape, *, wait_q, wait_do,
-                       visible_fn=None, fused_exponent=False):
+                       visible_fn=None):
     """(P^T, dS^T), float32, for one step of a dK/dV-style loop in the transposed orientation
     (rows: the warpgroup's keys; columns: the streamed queries). The backward kernels' shared
     recomputation:  S^T = K Q^T,  P^T = 2^((S^T - m) c - r),  dP^T = V dO^T,
@@ -97,35 +97,21 @@ def transposed_weights(spec, c, k_tile, v_tile, q_blk, do_blk, st, shape, *, wai
     -16%, head_dim 256 -4% (NOTES.md run 33).
     """
     wait_q()
-    p_t, t_t, visible = transposed_probabilities(spec, c, k_tile, q_blk, st, shape, visible_fn,
-                                                 fused_exponent)
+    p_t, t_t, visible = transposed_probabilities(spec, c, k_tile, q_blk, st, shape, visible_fn)
     wait_do()
     return p_t, transposed_score_grads(p_t, matmul(v_tile, do_blk.T, shape), st, t_t, visible)
 
 
-def transposed_probabilities(spec, c, k_tile, q_blk, st, shape, visible_fn=None,
-                             fused_exponent=False):
-    """(P^T, t^T or None, visibility or None): the first half of `transposed_weights`.
-    fused_exponent: the exponent as one multiply-add per score (`exponent`)."""
+def transposed_probabilities(spec, c, k_tile, q_blk, st, shape, visible_fn=None):
+    """(P^T, t^T or None, visibility or None): the first half of `transposed_weights`."""
     u_t, t_t = logit_units(spec, matmul(k_tile, q_blk.T, shape))
     m = plgpu.load(st.at[0], layout=plgpu.Layout.WGMMA.reduce(0))
     r = plgpu.load(st.at[1], layout=plgpu.Layout.WGMMA.reduce(0))
-    p_t = jnp.exp2(exponent(u_t, m, r, c, bcast_cols, fused_exponent))
+    p_t = jnp.exp2((u_t - bcast_cols(m, shape)) * c - bcast_cols(r, shape))
     visible = None if visible_fn is None else visible_fn()
     if visible is not None:
         p_t = jnp.where(visible, p_t, 0.0)
     return p_t, t_t, visible
-
-
-def exponent(u, m, r, c, bcast, fused: bool):
-    """(u - m) c - r, each score's base-2 exponent given its row's statistics (stats.py);
-    `bcast` spreads a per-row vector over the tile. fused: as u c - (m c + r), one multiply-add
-    per score instead of a subtraction and a multiply-add (m c + r is one op per row); it
-    carries the rounding of m c + r, a relative error of about |m c + r| 2^-24 in each weight,
-    far below a 16-bit operand's rounding."""
-    if fused:
-        return u * c - bcast(m * c + r, u.shape)
-    return (u - bcast(m, u.shape)) * c - bcast(r, u.shape)
 
 
 def transposed_score_grads(p_t, dp_t, st, t_t=None, visible=None):
