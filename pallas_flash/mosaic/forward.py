@@ -130,7 +130,11 @@ class MosaicForwardConfig:
     """Tiles of the Mosaic forward kernel.
 
     block_q: query rows per compute warpgroup (a CTA holds compute_wgs * block_q rows).
-    block_kv: key rows per step.
+    block_kv: key rows per step, a multiple of 16 in [64, 256]. Multiples of 64 keep Mosaic
+      GPU's own shared-memory layout; others narrow V's swizzle (`_v_transforms`).
+      FlashAttention-3's non-causal head_dim 128 tile, 176 keys (at 240 / 24 registers), ran
+      2-10% slower than 128 non-causal and 6-29% causal here, with 40-48 bytes of spills;
+      160 tied or lost (NOTES.md run 65).
     stages: K/V shared-memory slots in flight (>= 2).
     pingpong: offset the two compute warpgroups so softmax and wgmma overlap.
     overlap: inside each warpgroup, issue S = Q K^T of block j together with the P V product of
@@ -151,7 +155,8 @@ class MosaicForwardConfig:
       causal with block_kv 128 and overlap (NOTES.md run 59; the compiled head_dim 64
       default, `default_forward_config`). At head_dim 128 (block_kv 64) it lost or tied (run
       62). Registers bound it: 3 * compute + copy <= 512 (`register_budget`) leaves 160 / 32
-      per thread against 232 / 40 with 2 (block_kv 192 with overlap fell to about half: spills, presumably).
+      per thread against 232 / 40 with 2 (block_kv 192 with overlap fell to about half:
+      spills, presumably).
       Needs pingpong=False (its rendezvous barrier pairs exactly two warpgroups).
     fused_exponent: form each weight's exponent as one multiply-add, u c - (m c), instead of
       (u - m) c, a subtraction and a multiplication: one instruction less per score, as
