@@ -278,7 +278,7 @@ def _in_clusters(n, cases):
 THREE_WGS = dict(compute_wgs=3, pingpong=False, compute_registers=160, copy_registers=32)
 THREE_WGS_ON_CPU = ("partial-tiles", "window-causal-softcap", "segments-lengths")
 COMPILED_ONLY = pytest.mark.skipif(not IS_HOPPER, reason="compiled only (interpret-mode time "
-                                   "budget; a few three-warpgroup cases run on the CPU)")
+                                   "budget; a few cases of the list run on the CPU)")
 
 
 def _three_wgs(case):
