@@ -28,7 +28,7 @@ Warpgroup layout. A warpgroup's wgmma M tile is 64 rows. In the dK/dV kernel, wi
 128, the two compute warpgroups own 64 key rows each (a 128-row CTA) and share the Q / dO
 stream. At head_dim 256 two float32 accumulators of 64 x 256 do not fit one warpgroup's
 registers, so both warpgroups own the same 64 key rows and split the *columns* of dK and dV
-(128 each). S^T and dP^T need the full head_dim: compiled and without a softcap the two
+(128 each). S^T and dP^T need the full head_dim: without a softcap the two
 warpgroups divide them (`MosaicBackwardConfig.dkdv_paired`: one forms P^T, the other dP^T and
 dS^T, exchanged through shared memory; 4 matmul units a step, +13-16%, NOTES.md runs 41-42);
 otherwise each recomputes both (6 units). The dQ kernel: each compute warpgroup owns 64 q rows.
@@ -123,9 +123,12 @@ class MosaicBackwardConfig:
         both doing all of it: one forms S^T and P^T, the other dP^T and dS^T, and they pass
         P^T (float32) and dS^T through shared memory (`paired_dkdv`): 4 matmul units a step
         instead of 6. Not with a softcap (dS^T would need t^T as well, which does not fit
-        shared memory), and compiled only: jax 0.11.2's GPU interpreter stalls on it with the
-        second warpgroup never started (NOTES.md, session 9), so interpret mode runs the
-        unpaired kernel; elsewhere it changes nothing. The head_dim 256 default.
+        shared memory); elsewhere it changes nothing. The head_dim 256 default. Interpret
+        mode runs it too since session 13: session 9 saw jax 0.11.2's GPU interpreter stall
+        on it (the second warpgroup never started), which did not recur in 13 runs of its
+        four test cases on the 2-core CPU machine, 6 of them two sessions at once and 2 with
+        NPROC=2 (NOTES.md, session 13); the stall matched the XLA CPU-pool starvation that
+        tests/conftest.py guards against since session 12.
     fused_head_chunk: kv heads whose key tiles the fused kernel's launch order interleaves,
         tile by tile (a divisor of the kv head count); None (the default) picks, at batch 1,
         the largest of 4, 2, 1 that divides the kv heads, else 1 (`fused_backward.head_chunk`).
@@ -209,7 +212,7 @@ class MosaicBackwardConfig:
     def dkdv_pairs(self, spec: AttentionSpec, head_dim: int) -> bool:
         """Whether the dK/dV kernel runs paired (`dkdv_paired`) for this call."""
         return (self.dkdv_paired and self.dkdv_col_splits(head_dim) > 1
-                and spec.softcap is None and not spec.interpret)
+                and spec.softcap is None)
 
     def dq_smem_bytes(self, head_dim: int, itemsize: int = 2) -> int:
         rows = self.dq_block_q()
