@@ -72,7 +72,7 @@ if [ "$PART" = suite ]; then
   TESTS=(tests)
   [ -n "${LEFT:-}" ] && mapfile -t TESTS < "$LEFT"   # one node id a line (ids hold spaces)
   timeout "${SUITE_TIMEOUT:-530}" python3 -m pytest -v -rfE --compiled -p no:cacheprovider \
-    -n "${WORKERS:-14}" --timeout=150 --timeout-method=thread $IGNORE "${TESTS[@]}" \
+    -n "${WORKERS:-14}" --timeout="${TEST_LIMIT:-240}" --timeout-method=thread $IGNORE "${TESTS[@]}" \
     > "$OUT/tests.log" 2>&1
   echo "exit: $?" >> "$OUT/tests.log"
   grep -cE " PASSED " "$OUT/tests.log" > "$OUT/tests_count.txt"
