@@ -150,7 +150,7 @@ def main():
 
     import pallas_flash as pf
     from benchmarks.check_log import timed
-    from benchmarks.mosaic_tune import field_value
+    from benchmarks.mosaic_tune import named_configs
     from pallas_flash import bench
     from pallas_flash.masking import make_mask_spec
     from pallas_flash.mosaic import backward as mb
@@ -179,11 +179,7 @@ def main():
                              config=pf.default_config(d, jnp.bfloat16), interpret=False)
         base = (mb.default_backward_config(d) if args.which == "bwd"
                 else mf.default_forward_config(d))
-        fields = {}
-        for pair in filter(None, args.config.split(",")):
-            name, value = pair.split("=")
-            fields[name] = field_value(base, name, value)
-        cfg = dataclasses.replace(base, **fields)
+        cfg, = named_configs(base, args.config)
         folder = "fused_profile_dir" if args.which == "bwd" else "profile_dir"
         traced_cfg = dataclasses.replace(cfg, **{folder: args.trace_dir})
         n_heads = case.kv_heads

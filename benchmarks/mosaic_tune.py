@@ -137,7 +137,7 @@ def main():
     p.add_argument("--fwd-configs", default=None,
                    help="forward configs instead of the sweep: ';'-separated overrides of the "
                         "call's default (default_forward_config with its spec), e.g. "
-                        "';block_kv=176,compute_registers=240,copy_registers=32'")
+                        "';block_kv=176,compute_registers=240,copy_registers=24'")
     p.add_argument("--bwd-configs", default=None,
                    help="backward configs instead of the sweep: ';'-separated overrides of the "
                         "head_dim's default, e.g. ';fused=1,dkdv_stages=2' (empty = the default)")

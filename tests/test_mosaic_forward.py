@@ -266,10 +266,15 @@ def test_config_accepts_cluster_4(block_kv):
     assert C(block_kv=block_kv, cluster=4).cluster == 4
 
 
+def _with(case, marks=(), **fields):
+    """A FEATURE_CASES param with its config's `fields` replaced (same id), under `marks`."""
+    return pytest.param(*case.values[:7], dataclasses.replace(case.values[7], **fields),
+                        case.values[8], id=case.id, marks=marks)
+
+
 def _in_clusters(n, cases):
     """FEATURE_CASES-style params with config.cluster = n (same ids)."""
-    return [pytest.param(*case.values[:7], dataclasses.replace(case.values[7], cluster=n),
-                         case.values[8], id=case.id) for case in cases]
+    return [_with(case, cluster=n) for case in cases]
 
 
 # config.compute_wgs=3: 192 query rows per CTA, FlashAttention-3's head_dim 64 tile. Interpret
@@ -282,9 +287,7 @@ COMPILED_ONLY = pytest.mark.skipif(not IS_HOPPER, reason="compiled only (interpr
 
 
 def _three_wgs(case):
-    return pytest.param(*case.values[:7], dataclasses.replace(case.values[7], **THREE_WGS),
-                        case.values[8], id=case.id,
-                        marks=() if case.id in THREE_WGS_ON_CPU else COMPILED_ONLY)
+    return _with(case, marks=() if case.id in THREE_WGS_ON_CPU else COMPILED_ONLY, **THREE_WGS)
 
 
 @pytest.mark.skipif(ON_GPU and not IS_HOPPER, reason="Mosaic GPU kernel needs sm_90")
@@ -422,11 +425,6 @@ KEY176 = dict(block_kv=176, pingpong=False, overlap=True, compute_registers=240,
               copy_registers=24)
 
 
-def _with(case, marks=COMPILED_ONLY, **fields):
-    return pytest.param(*case.values[:7], dataclasses.replace(case.values[7], **fields),
-                        case.values[8], id=case.id, marks=marks)
-
-
 @pytest.mark.skipif(ON_GPU and not IS_HOPPER, reason="Mosaic GPU kernel needs sm_90")
 @pytest.mark.parametrize("b,sq,skv,hq,hkv,d,dtype,config,opts", [
     # 400 keys = 2 x 176 + 48: a partial last block; GQA.
@@ -438,7 +436,7 @@ def _with(case, marks=COMPILED_ONLY, **fields):
     pytest.param(2, 200, 264, 2, 1, 64, jnp.bfloat16, C(block_kv=144),
                  dict(causal=True, alignment="bottom_right", segments=True),
                  id="d64-144-segments"),
-] + [_with(case, block_kv=176) for case in FEATURE_CASES] + [
+] + [_with(case, marks=COMPILED_ONLY, block_kv=176) for case in FEATURE_CASES] + [
     pytest.param(2, 300, 300, 4, 2, 128, jnp.bfloat16, C(cluster=2, **KEY176),
                  dict(causal=c), id=f"cluster2-odd-tiles-d128-176-{'causal' if c else 'full'}",
                  marks=COMPILED_ONLY)
