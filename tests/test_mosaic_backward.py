@@ -302,3 +302,39 @@ def test_config_validation():
         cfg = mosaic.default_backward_config(d)
         assert cfg.dkdv_smem_bytes(d) <= mosaic.SMEM_LIMIT
         assert cfg.dq_smem_bytes(d) <= mosaic.SMEM_LIMIT
+
+
+# config.head_chunk: the two kernels' launch order (common.TileGrid). The causal CASES above
+# run the default's sections (every kv head at these sizes), the non-causal ones one head a
+# section; here explicit chunks of batch-2 GQA calls, causal and not.
+@needs_hopper
+@pytest.mark.parametrize("chunk,causal", [(1, True), (2, True), (2, False)])
+def test_launch_order_matches_reference_and_triton(chunk, causal):
+    b, sq, skv, hq, hkv, d, dtype = 2, 200, 136, 4, 2, 64, jnp.bfloat16
+    q, k, v, do = random_inputs(jax.random.PRNGKey(95), b, sq, skv, hq, hkv, d, dtype)
+    dlse = jax.random.normal(jax.random.PRNGKey(96), (b, hq, sq), jnp.float32)
+    spec = mosaic_spec(sq, skv, d, dtype, causal=causal, alignment="bottom_right")
+    config = Config(dq_block_kv=64, head_chunk=chunk)
+    out, stats = triton_forward.forward(spec, q, k, v)
+    grads = mosaic.backward(spec, q, k, v, out, stats, do, dlse, config=config)
+    tri = triton_backward.backward(spec, q, k, v, out, stats, do, dlse)
+    ref = reference_grads(q, k, v, do, dlse, causal=causal, causal_alignment="bottom_right")
+    _check(grads, tri, ref, (q, k, v), dtype)
+
+
+def test_launch_orders():
+    q = jnp.zeros((2, 8192, 8, 256), jnp.bfloat16)
+    k = jnp.zeros((2, 8192, 4, 256), jnp.bfloat16)
+    for causal, chunks in ((True, (2, 8)), (False, (1, 1))):
+        spec = mosaic_spec(8192, 8192, 256, jnp.bfloat16, causal=causal)
+        dkdv, dq = mosaic._launch_orders(spec, Config(), q, k, 128, 64)
+        # dK/dV streams the group's Q and dO (2 x 8 MB a kv head): two kv heads a section;
+        # dQ streams K and V (8 MB a kv head): four kv heads, their eight q heads.
+        assert (dkdv.head_chunk, dq.head_chunk) == chunks
+    spec = mosaic_spec(8192, 8192, 256, jnp.bfloat16, causal=True)
+    assert [o.head_chunk for o in mosaic._launch_orders(spec, Config(head_chunk=1), q, k,
+                                                        128, 64)] == [1, 1]
+    with pytest.raises(ValueError, match=r"head_chunk \(3\) must divide the number of kv"):
+        mosaic._launch_orders(spec, Config(head_chunk=3), q, k, 128, 64)
+    with pytest.raises(ValueError, match=r"MosaicBackwardConfig\.head_chunk must be"):
+        Config(head_chunk=0)

@@ -25,6 +25,7 @@ from pallas_flash.triton import forward as triton_forward
 from helpers import TOLERANCE, assert_close
 
 mosaic = importlib.import_module("pallas_flash.mosaic.forward")
+common = importlib.import_module("pallas_flash.mosaic.common")
 
 ON_GPU = jax.default_backend() == "gpu"
 IS_HOPPER = ON_GPU and str(getattr(jax.devices()[0], "compute_capability", "")) == "9.0"
@@ -496,3 +497,72 @@ def test_register_budget():
     assert mosaic.register_budget(3) == 504 and mosaic.register_budget(4) == 512
     C(compute_registers=240, copy_registers=24)
     C(compute_wgs=3, pingpong=False, compute_registers=160, copy_registers=32)
+
+
+# config.head_chunk, the launch order (common.TileGrid): heads interleaved tile by tile. The
+# default is 1 without a causal bound and FlashAttention-3's L2 sections with one, which at the
+# small sizes of the other tests is every head (their causal GQA cases run the sectioned grid,
+# their non-causal ones the tiles-fastest grid); here explicit chunks of 1, 2 and 4 of 4 heads,
+# batch 2, partial tiles, causal GQA with segment ids, and the compiled default at a size
+# where sections hold fewer heads than the call has.
+@pytest.mark.skipif(ON_GPU and not IS_HOPPER, reason="Mosaic GPU kernel needs sm_90")
+@pytest.mark.parametrize("b,sq,skv,hq,hkv,d,dtype,config,opts", [
+    pytest.param(2, 200, 264, 4, 2, 64, jnp.bfloat16, C(block_kv=64, head_chunk=chunk),
+                 dict(causal=True, alignment="bottom_right", segments=True),
+                 id=f"segments-gqa-chunk{chunk}")
+    for chunk in (1, 2, 4)] + [
+    pytest.param(2, 200, 136, 4, 4, 64, jnp.float16, C(block_kv=64, overlap=True, head_chunk=2),
+                 dict(causal=False), id="full-chunk2-overlap"),
+    pytest.param(1, 200, 200, 4, 1, 128, jnp.bfloat16, C(block_kv=64, overlap=True,
+                                                          pingpong=False, head_chunk=4),
+                 dict(causal=True, window=(90, None)), id="window-mqa-chunk4")])
+def test_launch_order_matches_reference_and_triton(b, sq, skv, hq, hkv, d, dtype, config, opts):
+    test_features_match_reference_and_triton(b, sq, skv, hq, hkv, d, dtype, config, opts)
+
+
+@pytest.mark.skipif(not IS_HOPPER, reason="a size where an L2 section holds fewer heads than "
+                    "the call: too slow for interpret mode")
+def test_default_sections_match_reference():
+    # 8 kv heads of 65536 keys: 32 MB of K / V each, so one kv head (and its two q heads) a
+    # section; causal bottom-right with 512 queries.
+    q, k, v = _inputs(1, 512, 65536, 16, 8, 128, jnp.bfloat16, seed=11)
+    spec = _spec(q, k, causal=True, alignment="bottom_right", interpret=False)
+    assert mosaic._launch_order(spec, mosaic.default_forward_config(128, spec), q, k,
+                                n_tiles=4).head_chunk == 2
+    out, st = mosaic.forward(spec, q, k, v)
+    ref, ref_lse = pf.reference_attention(*(x.astype(jnp.float32) for x in (q, k, v)),
+                                          causal=True, causal_alignment="bottom_right",
+                                          return_lse=True)
+    assert_close("O", out.astype(jnp.float32), ref, TOLERANCE[jnp.dtype(q.dtype)])
+    assert _rel(stats.to_lse(spec, st), ref_lse) < 1e-4
+
+
+def test_launch_head_chunk_rule():
+    mib = 1 << 20
+    # FlashAttention-3's sections: as many heads as share 32 MB of streamed K / V.
+    assert common.launch_head_chunk(4 * mib, 16, True) == 8     # head_dim 128, 8k keys, bf16
+    assert common.launch_head_chunk(8 * mib, 16, True) == 4     # 16k keys
+    assert common.launch_head_chunk(8 * mib, 6, True) == 3      # the largest divisor that fits
+    assert common.launch_head_chunk(64 * mib, 16, True) == 1    # one head overflows L2
+    assert common.launch_head_chunk(1 * mib, 32, False) == 1    # no causal bound: one head
+    q, k, _ = _inputs(2, 8192, 8192, 32, 8, 128, jnp.bfloat16)  # GQA 4: sections of kv heads
+    for causal, cluster, chunk in ((True, 1, 32), (False, 1, 1), (False, 2, 1)):
+        spec = _spec(q, k, causal=causal, interpret=False)
+        order = mosaic._launch_order(spec, C(cluster=cluster), q, k, n_tiles=64)
+        assert order.head_chunk == chunk
+        assert order.params()["grid"] == ((2, 32, 64 // cluster) if chunk == 1 else (2, 64, 32))
+
+
+def test_launch_order_validation():
+    with pytest.raises(ValueError, match=r"MosaicForwardConfig\.head_chunk must be"):
+        C(head_chunk=0)
+    with pytest.raises(ValueError, match=r"MosaicForwardConfig\.head_chunk must be"):
+        C(head_chunk=True)
+    with pytest.raises(ValueError, match=r"MosaicForwardConfig\.head_chunk must be None or 1"):
+        C(cluster=2, head_chunk=2)
+    C(cluster=2, head_chunk=1)
+    q, k, v = _inputs(1, 128, 128, 6, 2, 64, jnp.bfloat16)
+    with pytest.raises(ValueError, match=r"head_chunk \(4\) must divide the number of q heads"):
+        mosaic.forward(_spec(q, k, causal=True), q, k, v, config=C(head_chunk=4))
+    with pytest.raises(ValueError, match="must divide"):
+        common.TileGrid(4, 6, 1, head_chunk=4)

@@ -83,7 +83,8 @@ from pallas_flash.masking import PAD_KEY_ID, PAD_QUERY_ID, segment_block_ranges
 from pallas_flash.mosaic import fused_backward
 from pallas_flash.mosaic.common import (SMEM_LIMIT, SMEM_RESERVED, clamp_range, grid_position,
                                        logit_units, narrowed, pad_seq, query_tile_position,
-                                       stream_through_slots, streamed_range,
+                                       stream_through_slots, streamed_range, TileGrid,
+                                       launch_head_chunk,
                                        unsupported_operands)
 from pallas_flash.mosaic.tiles import (WG_ROWS, accumulate, bcast_cols, bcast_rows, idiv, matmul,
                                       positions, product, row_vector, transposed_probabilities,
@@ -140,6 +141,14 @@ class MosaicBackwardConfig:
         368.5 / 405.8 / 423.1 (471.6), non-causal 484.6 / 505.1 / 513.4 (564.2). At batch 2,
         chunks of two or four heads were timed in run 25: +1.4% at 8k, -2% at 16k causal;
         hence 1 there.
+    head_chunk: kv heads interleaved tile by tile in the two kernels' launch order
+        (`common.TileGrid`; the dQ kernel's sections hold those kv heads' q heads), a divisor
+        of the kv heads; None (the default): 1 without a causal bound, else FlashAttention-3's
+        L2 sections (`common.launch_head_chunk`, on the operands each kernel streams). Sessions
+        1-13 launched every head of a tile first, whose forward twin read a 36.5% L2 hit rate
+        (NOTES.md run 68); head_dim 256, 2 x 8k x 8 heads, kernels alone, TFLOP/s old order ->
+        one head: 382.0 -> 399.1 non-causal, 372.4 -> 378.2 causal (run 69). The fused
+        kernel has its own order (`fused_head_chunk`).
     """
 
     dkdv_block_q: int = 64
@@ -155,6 +164,7 @@ class MosaicBackwardConfig:
     fused_profile_dir: str = ""
     dkdv_paired: bool = False
     fused_head_chunk: int | None = None
+    head_chunk: int | None = None
 
     def __post_init__(self):
         for name in ("dkdv_block_q", "dq_block_kv"):
@@ -172,11 +182,12 @@ class MosaicBackwardConfig:
         if self.dq_compute_wgs not in (1, 2):
             raise ValueError("MosaicBackwardConfig.dq_compute_wgs must be 1 or 2, "
                              f"got {self.dq_compute_wgs}")
-        chunk = self.fused_head_chunk
-        if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int)
-                                  or chunk < 1):
-            raise ValueError("MosaicBackwardConfig.fused_head_chunk must be None or a positive "
-                             f"int, got {chunk!r}")
+        for name in ("fused_head_chunk", "head_chunk"):
+            chunk = getattr(self, name)
+            if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int)
+                                      or chunk < 1):
+                raise ValueError(f"MosaicBackwardConfig.{name} must be None or a positive "
+                                 f"int, got {chunk!r}")
 
     # ---- geometry -------------------------------------------------------------------------
 
@@ -331,7 +342,8 @@ def _dkdv_body(q_ref, k_ref, v_ref, do_ref, st_ref, q_ids_ref, kv_ids_ref, cta_s
                k_smem, v_smem, q_smem, do_smem, st_smem,
                k_loaded, v_loaded, q_loaded, do_loaded, st_loaded, slot_free, halves_done,
                *extra_smem,
-               spec: AttentionSpec, cfg: MosaicBackwardConfig, group: int, head_dim: int):
+               spec: AttentionSpec, cfg: MosaicBackwardConfig, group: int, head_dim: int,
+               order: TileGrid):
     mask = spec.mask
     paired = cfg.dkdv_pairs(spec, head_dim)
     if paired:
@@ -351,7 +363,7 @@ def _dkdv_body(q_ref, k_ref, v_ref, do_ref, st_ref, q_ids_ref, kv_ids_ref, cta_s
     # rows are never stored, but the mask keeps their P at 0 all the same.
     kv_len = mask.seq_kv if mask.seq_kv % WG_ROWS else None
 
-    tile, kv_head, batch, wg = grid_position(mask)
+    tile, kv_head, batch, wg = grid_position(mask, order=order)
     kv_start = tile * cta_rows
 
     # The q blocks the CTA needs for any of its keys: MaskSpec's bounds (window, causal,
@@ -565,7 +577,7 @@ def _dq_body(q_ref, k_ref, v_ref, do_ref, st_ref, q_ids_ref, kv_ids_ref, cta_seg
              q_smem, do_smem, st_smem, k_smem, v_smem,
              own_loaded, k_loaded, v_loaded, k_free, v_free, *stage_smem,
              spec: AttentionSpec, cfg: MosaicBackwardConfig, group: int, n_tiles: int,
-             head_dim: int):
+             head_dim: int, order: TileGrid):
     mask = spec.mask
     dtype = q_ref.dtype
     block_kv, stages, wgs = cfg.dq_block_kv, cfg.dq_stages, cfg.dq_compute_wgs
@@ -575,7 +587,7 @@ def _dq_body(q_ref, k_ref, v_ref, do_ref, st_ref, q_ids_ref, kv_ids_ref, cta_seg
     kv_len = mask.seq_kv if mask.seq_kv % block_kv else None
 
     tile, head, batch, wg, cta_start, cta_lo, cta_hi = query_tile_position(
-        mask, n_tiles, cta_rows, block_kv, cta_seg_ref)
+        mask, n_tiles, cta_rows, block_kv, cta_seg_ref, order=order)
     n_steps = cta_hi - cta_lo
 
     def slot_of(j):
@@ -709,6 +721,29 @@ def _segment_operands(row_ids, col_ids, row_pad, col_pad, *, cta_rows: int, n_ct
     return row_ids, col_ids, cta, wg
 
 
+def _launch_orders(spec: AttentionSpec, cfg: MosaicBackwardConfig, q, k, n_kv_tiles: int,
+                   n_q_tiles: int) -> tuple[TileGrid, TileGrid]:
+    """The dK/dV and dQ kernels' launch orders: config.head_chunk kv heads a section, else
+    FlashAttention-3's L2 sections when causal, on what each streams (a kv head's group of q
+    heads' Q and dO; a q head's K and V)."""
+    batch, seq_q, q_heads, head_dim = q.shape
+    kv_heads = k.shape[2]
+    group = q_heads // kv_heads
+    chunk = cfg.head_chunk
+    if chunk is None:
+        causal = spec.mask.right is not None
+        item = q.dtype.itemsize
+        dkdv = launch_head_chunk(group * 2 * seq_q * head_dim * item, kv_heads, causal)
+        dq = launch_head_chunk(2 * k.shape[1] * head_dim * item, kv_heads, causal)
+    elif kv_heads % chunk:
+        raise ValueError(f"MosaicBackwardConfig.head_chunk ({chunk}) must divide the number "
+                         f"of kv heads ({kv_heads})")
+    else:
+        dkdv = dq = chunk
+    return (TileGrid(n_kv_tiles, kv_heads, batch, dkdv),
+            TileGrid(n_q_tiles, q_heads, batch, dq * group if dq > 1 else 1))
+
+
 def backward(spec: AttentionSpec, q, k, v, out, stats: RowStats, do, dlse, q_ids=None,
              kv_ids=None, *, config: MosaicBackwardConfig | None = None, delta=None):
     """(dq, dk, dv) in the dtypes of q, k, v (contract of triton.backward.backward).
@@ -763,6 +798,7 @@ def backward(spec: AttentionSpec, q, k, v, out, stats: RowStats, do, dlse, q_ids
     row_tiles = block_kv // WG_ROWS
     bq, st = cfg.dkdv_block_q, cfg.dkdv_stages
     n_kv_tiles = pl.cdiv(seq_kv, block_kv)
+    orders = _launch_orders(spec, cfg, q, k, n_kv_tiles, pl.cdiv(seq_q, cfg.dq_block_q()))
     scratch = [
         plgpu.SMEM((row_tiles, WG_ROWS, head_dim), dtype),
         plgpu.SMEM((row_tiles, WG_ROWS, head_dim), dtype),
@@ -794,11 +830,11 @@ def backward(spec: AttentionSpec, q, k, v, out, stats: RowStats, do, dlse, q_ids
         args += [q_ids_p, kv_ids_p, cta, wg]
     kv_shape = jax.ShapeDtypeStruct(k.shape, dtype)
     dk, dv = plgpu.kernel(
-        functools.partial(_with_segment_refs(_dkdv_body), spec=spec, cfg=cfg, group=group, head_dim=head_dim),
+        functools.partial(_with_segment_refs(_dkdv_body), spec=spec, cfg=cfg, group=group,
+                          head_dim=head_dim, order=orders[0]),
         out_type=(kv_shape, kv_shape),
         scratch_types=scratch,
-        grid=(n_kv_tiles, kv_heads, batch),
-        grid_names=("tile", "head", "batch"),
+        **orders[0].params(),
         num_threads=wgs + 1,
         thread_name="wg",
         compiler_params=compiler,
@@ -832,12 +868,11 @@ def backward(spec: AttentionSpec, q, k, v, out, stats: RowStats, do, dlse, q_ids
             pad_col_id=PAD_KEY_ID)
         args += [q_ids_p, kv_ids_p, cta, wg]
     dq = plgpu.kernel(
-        functools.partial(_with_segment_refs(_dq_body), spec=spec, cfg=cfg, group=group, n_tiles=n_tiles,
-                          head_dim=head_dim),
+        functools.partial(_with_segment_refs(_dq_body), spec=spec, cfg=cfg, group=group,
+                          n_tiles=n_tiles, head_dim=head_dim, order=orders[1]),
         out_type=jax.ShapeDtypeStruct(q.shape, dtype),
         scratch_types=scratch,
-        grid=(n_tiles, q_heads, batch),
-        grid_names=("tile", "head", "batch"),
+        **orders[1].params(),
         num_threads=wgs + 1,
         thread_name="wg",
         compiler_params=compiler,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax.numpy as jnp
@@ -102,6 +103,83 @@ def streamed_range(bounds, seg_ref, batch, block):
 CLUSTER_AXIS = "pair"   # the CTAs of a cluster along the tile axis (forward, config.cluster)
 
 
+# K / V bytes that FlashAttention-3's tile scheduler lets one "section" of heads share in L2
+# (32 MB of the H100's 50 MB: hopper/tile_scheduler.hpp, `size_l2`).
+L2_SECTION_BYTES = 32 << 20
+
+
+def launch_head_chunk(bytes_per_head: int, heads: int, longest_first: bool) -> int:
+    """How many heads a query- or key-tile kernel interleaves, tile by tile, in its launch order
+    (`TileGrid.head_chunk`), by FlashAttention-3's rule.
+
+    Without a causal bound every tile of a head is equally long and 1 (all tiles of one head,
+    then the next head) keeps the operands of the few heads in flight in L2. With one
+    (`longest_first`: tiles run last-first, the longest first), the tiles of a single head are
+    fewer than a wave, so a head's longest tile would start beside the previous head's
+    shortest and the grid would end on the last head's long tiles. A section of several heads
+    keeps longest-first within it: as many heads as share L2_SECTION_BYTES of streamed operands
+    (`bytes_per_head`), the largest divisor of `heads` that fits.
+    """
+    if not longest_first:
+        return 1
+    fit = max(1, L2_SECTION_BYTES // max(1, bytes_per_head))
+    return max(d for d in range(1, heads + 1) if heads % d == 0 and d <= fit)
+
+
+@dataclasses.dataclass(frozen=True)
+class TileGrid:
+    """The launch order of a kernel of (tile, head, batch) programs.
+
+    Pallas hands its grid to CUDA reversed (Mosaic GPU's lowering.py), so the *last* grid axis
+    is the one CUDA launches fastest. With head_chunk 1 the grid is (batch, head, tile):
+    consecutive CTAs are tiles of one (batch, head), and the CTAs running at once stream the
+    operands of a few heads, which stay in L2. With head_chunk G > 1 it is (section, tile,
+    head_in): G heads interleaved tile by tile, then the next G (`launch_head_chunk`).
+    Sessions 1-13 launched (tile, head, batch), every (batch, head) of a tile first: each wave
+    then streamed every head's K / V, and at 2 x 8192 x 16 heads head_dim 128 Nsight Compute
+    read the forward's L2 hit rate at 36.5% and its DRAM traffic at 9x the compulsory bytes,
+    against cuDNN's 92.5% and 1x (NOTES.md run 68; 92.0% with tiles fastest, run 69).
+
+    n_tiles counts the grid's entries along the tile axis (clusters of `cluster` adjacent
+    tiles when cluster > 1, axis CLUSTER_AXIS; only with head_chunk 1).
+    """
+
+    n_tiles: int
+    heads: int
+    batch: int
+    head_chunk: int = 1
+    cluster: int = 1
+
+    def __post_init__(self):
+        if self.heads % self.head_chunk:
+            raise ValueError(f"head_chunk {self.head_chunk} must divide the {self.heads} heads")
+        if self.cluster > 1 and self.head_chunk > 1:
+            raise ValueError("clusters run with head_chunk 1 (tiles on the fastest axis)")
+
+    def params(self) -> dict:
+        """plgpu.kernel's grid (and cluster) arguments."""
+        if self.head_chunk == 1:
+            params = dict(grid=(self.batch, self.heads, self.n_tiles),
+                          grid_names=("batch", "head", "tile"))
+        else:
+            params = dict(grid=(self.batch * (self.heads // self.head_chunk), self.n_tiles,
+                                self.head_chunk),
+                          grid_names=("section", "tile", "head_in"))
+        if self.cluster > 1:
+            params.update(cluster=(1, 1, self.cluster),
+                          cluster_names=("pair_batch", "pair_head", CLUSTER_AXIS))
+        return params
+
+    def head_batch(self):
+        """(head, batch) of this program."""
+        if self.head_chunk == 1:
+            return lax.axis_index("head"), lax.axis_index("batch")
+        chunks = jnp.int32(self.heads // self.head_chunk)
+        section = lax.axis_index("section")
+        return (lax.rem(section, chunks) * self.head_chunk + lax.axis_index("head_in"),
+                lax.div(section, chunks))
+
+
 def _tile_of(index, mask, n_tiles: int | None):
     """The query / key tile that grid index `index` (along the tile axis) works on."""
     if n_tiles is not None and mask.right is not None:
@@ -117,18 +195,24 @@ def _grid_tile_index(cluster: int):
     return index
 
 
-def grid_position(mask, n_tiles: int | None = None, cluster: int = 1):
+def grid_position(mask, n_tiles: int | None = None, cluster: int = 1,
+                  order: TileGrid | None = None):
     """(tile, head, batch, warpgroup) of this program. For query-tile kernels (n_tiles given)
     with a causal bound (mask.right set), tiles run last-first: the last query rows see the most
     keys, and starting the longest CTAs first keeps the tail of the grid short. Key-tile kernels
     give no n_tiles: their first tiles are the longest already. With `cluster` > 1 the grid's
-    tile axis counts clusters of that many CTAs (adjacent tiles; axis CLUSTER_AXIS)."""
+    tile axis counts clusters of that many CTAs (adjacent tiles; axis CLUSTER_AXIS). `order`:
+    the grid's TileGrid; None for a grid named ("head", "tile", "batch") (fused_backward.py)."""
     tile = _tile_of(_grid_tile_index(cluster), mask, n_tiles)
-    return tile, lax.axis_index("head"), lax.axis_index("batch"), lax.axis_index("wg")
+    if order is None:
+        head, batch = lax.axis_index("head"), lax.axis_index("batch")
+    else:
+        head, batch = order.head_batch()
+    return tile, head, batch, lax.axis_index("wg")
 
 
 def query_tile_position(mask, n_tiles: int, cta_rows: int, block_kv: int, seg_ref,
-                        cluster: int = 1):
+                        cluster: int = 1, order: TileGrid | None = None):
     """(tile, head, batch, warpgroup, cta_start, cta_lo, cta_hi) of a query-tile kernel's
     program (forward, dQ): its position (`grid_position`, last tile first under a causal bound),
     its first query row, and the key blocks [cta_lo, cta_hi) its copy warpgroup streams: those
@@ -139,7 +223,7 @@ def query_tile_position(mask, n_tiles: int, cta_rows: int, block_kv: int, seg_re
     With `cluster` > 1 the CTAs of a cluster share every K / V block (TMA multicast), so each
     streams the union of their ranges; a tile wholly past seq_q (the grid is padded to whole
     clusters) adds nothing to it."""
-    tile, head, batch, wg = grid_position(mask, n_tiles, cluster)
+    tile, head, batch, wg = grid_position(mask, n_tiles, cluster, order)
     cta_start = tile * cta_rows
 
     def tile_range(t, start):

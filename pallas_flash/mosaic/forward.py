@@ -98,9 +98,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_flash.masking import PAD_KEY_ID, PAD_QUERY_ID, segment_block_ranges
-from pallas_flash.mosaic.common import (CLUSTER_AXIS, SMEM_LIMIT, SMEM_RESERVED, clamp_range,
-                                       logit_units, narrowed, pad_seq, query_tile_position,
-                                       profile_params, unsupported_operands)
+from pallas_flash.mosaic.common import (CLUSTER_AXIS, SMEM_LIMIT, SMEM_RESERVED, TileGrid,
+                                       clamp_range, launch_head_chunk, logit_units, narrowed,
+                                       pad_seq, query_tile_position, profile_params,
+                                       unsupported_operands)
 from pallas_flash.spec import AttentionSpec
 from pallas_flash.stats import LOG2E, RowStats, logit_scale
 
@@ -168,6 +169,16 @@ class MosaicForwardConfig:
       603 -> 622, causal 563 / 568 -> 576; 2 x 16k non-causal 586 / 609 -> 603, causal 607 /
       604 -> 599 (the one loss, within the run's spread); head_dim 64 469 -> 500 / 458 -> 472;
       head_dim 256 678 -> 694 / 649 -> 666.
+    head_chunk: heads interleaved tile by tile in the launch order (`common.TileGrid`), a
+      divisor of the q heads; None (the default): 1 without a causal bound (all tiles of one
+      head, then the next), with one FlashAttention-3's L2 sections (`launch_head_chunk`: as
+      many heads as share 32 MB of K / V, longest tiles first within them). Sessions 1-13
+      launched every head of a tile before the next tile (about head_chunk = q_heads): at 2 x
+      8k x 16 heads head_dim 128 its L2 hit rate was 36.5% (NOTES.md run 68). Kernel alone,
+      TFLOP/s old order -> one head (run 69): head_dim 128 8k 636 -> 658 / 661 non-causal, 589
+      -> 597 / 595 causal; 16k 628 -> 657 / 687 non-causal, 608 -> 673 / 676 causal; head_dim
+      64 506 -> 520 / 519 non-causal but causal 481 -> 458 / 467 and head_dim 256 causal 664
+      -> 654 / 641 (the last head's long tiles in the grid's tail: hence sections when causal).
     profile_dir: a folder for Mosaic GPU traces of the kernel (one per call; see
       common.profile_params), "" (the default) for none. A diagnostic.
     cluster: CTAs per cluster along the query tiles, 1, 2 or 4. With n > 1, n CTAs of adjacent
@@ -207,6 +218,7 @@ class MosaicForwardConfig:
     cluster: int = 1
     compute_wgs: int = 2
     fused_exponent: bool = True
+    head_chunk: int | None = None
 
     def __post_init__(self):
         if self.block_q != 64:
@@ -230,6 +242,14 @@ class MosaicForwardConfig:
                 f"MosaicForwardConfig.cluster must be 1 or 2 at block_kv={self.block_kv} (each "
                 f"CTA's multicast slice, block_kv / cluster rows, must be whole 8-row tiles), "
                 f"got {self.cluster}")
+        chunk = self.head_chunk
+        if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int)
+                                  or chunk < 1):
+            raise ValueError("MosaicForwardConfig.head_chunk must be None or a positive int, "
+                             f"got {chunk!r}")
+        if self.cluster > 1 and chunk not in (None, 1):
+            raise ValueError("MosaicForwardConfig.head_chunk must be None or 1 with clusters "
+                             f"(a cluster's CTAs are adjacent tiles), got {chunk}")
         if self.compute_wgs not in (2, 3):
             raise ValueError(
                 f"MosaicForwardConfig.compute_wgs must be 2 or 3, got {self.compute_wgs}")
@@ -328,7 +348,7 @@ def _bcast_rows(x, shape):
 
 
 def _kernel(*refs, spec: AttentionSpec, cfg: MosaicForwardConfig, group: int, n_tiles: int,
-            head_dim: int):
+            head_dim: int, order: TileGrid):
     if spec.has_segments:
         (q_ref, k_ref, v_ref, q_ids_ref, kv_ids_ref, cta_seg_ref, wg_seg_ref), rest = (
             refs[:7], refs[7:])
@@ -336,7 +356,8 @@ def _kernel(*refs, spec: AttentionSpec, cfg: MosaicForwardConfig, group: int, n_
         (q_ref, k_ref, v_ref), rest = refs[:3], refs[3:]
         q_ids_ref = kv_ids_ref = cta_seg_ref = wg_seg_ref = None
     _kernel_body(q_ref, k_ref, v_ref, q_ids_ref, kv_ids_ref, cta_seg_ref, wg_seg_ref, *rest,
-                 spec=spec, cfg=cfg, group=group, n_tiles=n_tiles, head_dim=head_dim)
+                 spec=spec, cfg=cfg, group=group, n_tiles=n_tiles, head_dim=head_dim,
+                 order=order)
 
 
 def _kernel_body(q_ref, k_ref, v_ref, q_ids_ref, kv_ids_ref, cta_seg_ref, wg_seg_ref,
@@ -344,7 +365,7 @@ def _kernel_body(q_ref, k_ref, v_ref, q_ids_ref, kv_ids_ref, cta_seg_ref, wg_seg
                  q_smem, k_smem, v_smem, m_smem, r_smem,
             q_loaded, k_loaded, v_loaded, k_free, v_free, rendezvous_bar, *p_smem,
             spec: AttentionSpec, cfg: MosaicForwardConfig, group: int, n_tiles: int,
-            head_dim: int):
+            head_dim: int, order: TileGrid):
     mask = spec.mask
     block_q, block_kv, stages = cfg.block_q, cfg.block_kv, cfg.stages
     cta_rows = cfg.cta_rows
@@ -355,7 +376,7 @@ def _kernel_body(q_ref, k_ref, v_ref, q_ids_ref, kv_ids_ref, cta_seg_ref, wg_seg
     kv_len = mask.seq_kv if mask.seq_kv % block_kv else None
 
     tile, head, batch, wg, cta_start, cta_lo, cta_hi = query_tile_position(
-        mask, n_tiles, cta_rows, block_kv, cta_seg_ref, cfg.cluster)
+        mask, n_tiles, cta_rows, block_kv, cta_seg_ref, cfg.cluster, order)
     n_steps = cta_hi - cta_lo
 
     def slot_of(j):
@@ -699,15 +720,14 @@ def forward(spec: AttentionSpec, q, k, v, q_ids=None, kv_ids=None, *,
     ]
     if spec.interpret:
         scratch.append(plgpu.SMEM((wgs, cfg.block_q, cfg.block_kv), dtype))
+    order = _launch_order(spec, cfg, q, k, n_tiles)
     body = functools.partial(_kernel, spec=spec, cfg=cfg, group=group, n_tiles=n_tiles,
-                             head_dim=head_dim)
+                             head_dim=head_dim, order=order)
     call = plgpu.kernel(
         body,
         out_type=(jax.ShapeDtypeStruct(q.shape, dtype), stats_shape, stats_shape),
         scratch_types=scratch,
-        grid=(n_tiles // cfg.cluster, q_heads, batch),
-        grid_names=("tile", "head", "batch"),
-        **_cluster_params(cfg.cluster),
+        **order.params(),
         num_threads=wgs + 1,   # the copy warpgroup last (index compute_wgs)
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(
@@ -725,6 +745,24 @@ def forward(spec: AttentionSpec, q, k, v, q_ids=None, kv_ids=None, *,
     return out[:, :seq_q], RowStats(m[..., :seq_q], r[..., :seq_q])
 
 
+def _launch_order(spec: AttentionSpec, cfg: MosaicForwardConfig, q, k, n_tiles: int
+                  ) -> TileGrid:
+    """The grid's launch order (config.head_chunk, else FlashAttention-3's L2 sections when
+    causal: one kv head's K and V, shared by its group of q heads)."""
+    batch, _, q_heads, head_dim = q.shape
+    chunk = cfg.head_chunk
+    if chunk is None:
+        group = q_heads // k.shape[2]
+        kv_bytes = 2 * spec.mask.seq_kv * head_dim * q.dtype.itemsize
+        longest_first = spec.mask.right is not None and cfg.cluster == 1
+        chunk = (group * launch_head_chunk(kv_bytes, k.shape[2], longest_first)
+                 if longest_first else 1)
+    elif q_heads % chunk:
+        raise ValueError(f"MosaicForwardConfig.head_chunk ({chunk}) must divide the number "
+                         f"of q heads ({q_heads})")
+    return TileGrid(n_tiles // cfg.cluster, q_heads, batch, chunk, cfg.cluster)
+
+
 def _v_transforms(cfg: MosaicForwardConfig, dtype) -> dict:
     """V's shared-memory layout when block_kv is not a multiple of 64.
 
@@ -740,13 +778,6 @@ def _v_transforms(cfg: MosaicForwardConfig, dtype) -> dict:
         return {}   # Mosaic GPU's own choice: the layout every default was timed with
     return dict(transforms=(plgpu.TilingTransform((8, swizzle // itemsize)),
                             plgpu.SwizzleTransform(swizzle)))
-
-
-def _cluster_params(cluster: int) -> dict:
-    """plgpu.kernel's cluster arguments: `cluster` CTAs of adjacent tiles, or none."""
-    if cluster == 1:
-        return {}
-    return dict(cluster=(cluster, 1, 1), cluster_names=(CLUSTER_AXIS, "pair_head", "pair_batch"))
 
 
 def _segment_operands(q_ids, kv_ids, cfg: MosaicForwardConfig, n_tiles: int):
