@@ -11,6 +11,8 @@
 #   c: the causal launch order: FlashAttention-3's L2 sections (the default) against one head
 #      and all heads a section, forward 128 / 64 / 256 and the head_dim 256 backward; then
 #      the compiled forward and two-kernel backward test files.
+#   d: the pipelined benchmark of README's head_dim 128 cases; the compiled suite less part
+#      c's two files and the multi-device files.
 #   suite: as gpu_session13.sh suite.
 source "$(dirname "$0")/gpu_common.sh"
 PART=${1:-a}
@@ -86,6 +88,32 @@ if [ "$PART" = c ]; then
   echo "exit: $?" >> "$OUT/tests.log"
 fi
 
+if [ "$PART" = d ]; then
+  # The pipelined benchmark of README's head_dim 128 cases with the new launch order, then
+  # the compiled suite's files that part c did not run (one GPU: no multi-device files).
+  timeout 210 python3 -m pallas_flash.bench --timer pipelined --impls pallas_flash,cudnn \
+    --iters 20 --iters-bwd 10 --cases 2x8192x16x16x128,1x16384x16x16x128 --no-plot \
+    --out "$R/bench" > "$OUT/bench.log" 2>&1
+  echo "exit: $?" >> "$OUT/bench.log"
+  timeout "${SUITE_TIMEOUT:-330}" python3 -m pytest -q -rfE --compiled -p no:cacheprovider \
+    -n 14 --timeout=240 --timeout-method=thread $IGNORE --ignore=tests/test_mosaic_forward.py \
+    --ignore=tests/test_mosaic_backward.py tests > "$OUT/tests.log" 2>&1
+  echo "exit: $?" >> "$OUT/tests.log"
+  python3 - "$R"/bench/*.json > "$OUT/bench_table.txt" <<'PY'
+import json, sys
+rows = json.load(open(sys.argv[1]))["results"]
+by = {(r["case"], r["causal"], r["impl"]): r for r in rows if r.get("status") == "ok"}
+for (case, causal, impl), r in sorted(by.items()):
+    if impl != "pallas_flash":
+        continue
+    c = by.get((case, causal, "cudnn"))
+    if c:
+        print(case, "causal" if causal else "full", "fwd %.1f/%.1f=%.3f bwd %.1f/%.1f=%.3f" % (
+            r["fwd_tflops"], c["fwd_tflops"], r["fwd_tflops"] / c["fwd_tflops"],
+            r["bwd_tflops"], c["bwd_tflops"], r["bwd_tflops"] / c["bwd_tflops"]))
+PY
+fi
+
 if [ "$PART" = suite ]; then
   TESTS=(tests)
   [ -n "${LEFT:-}" ] && mapfile -t TESTS < "$LEFT"
@@ -99,7 +127,7 @@ fi
 tar -czf "$OUT/results.tar.gz" -C "$R" . && rm -rf "$R"
 [ -f "$OUT/tests.log" ] && { echo "== tests"; grep -E "PASSED|^(FAILED|ERROR)|passed|failed|exit" \
   "$OUT/tests.log" | tail -14; }
-[ -f "$OUT/bench.log" ] && { echo "== bench"; tail -30 "$OUT/bench.log"; }
+[ -f "$OUT/bench.log" ] && { echo "== bench"; tail -3 "$OUT/bench.log"; cat "$OUT/bench_table.txt"; }
 for f in "$OUT"/fwd*.log "$OUT"/bwd*.log; do
   [ -f "$f" ] && { echo "== $f"; grep -E "impl=|rror|exit" "$f" \
     | sed -E 's/config=Mosaic(Forward|Backward)Config\((.*)\) ms=/cfg[\2] ms=/' \
@@ -109,3 +137,4 @@ done
 [ -f "$OUT/ncu.txt" ] && echo "== ncu" && grep -vE "^==PROF==|^\s*$|^\s*-+\s*$" "$OUT/ncu.txt" \
   | grep -E "===|exit|Throughput|hmma|hit_rate|Duration|Registers|Warp Cycles|Stall|Elapsed|Issued|Eligible|Active Warps|No Eligible" \
   | cut -c1-150 | head -70
+true
