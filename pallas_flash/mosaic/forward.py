@@ -39,6 +39,9 @@ Structure (one CTA = config.compute_wgs compute warpgroups, 2 or 3, and one copy
   a descriptor's sequence axis by 8 rows, so a length that is not a multiple of 8 is
   zero-padded in XLA first (one copy). The row statistics are allocated for whole tiles and
   sliced.
+* Launch order (config.head_chunk, `common.TileGrid`): the tiles of one head launch together,
+  so the CTAs in flight share a few heads' K / V in L2; with a causal bound, FlashAttention-3's
+  L2 sections (as many heads as share 32 MB of K / V, interleaved tile by tile, longest first).
 * Optional clusters (config.cluster = n, 2 or 4): n CTAs of adjacent tiles stream the union of
   their key ranges, each copy warpgroup loading 1/n of every K / V block into all n CTAs (TMA
   multicast); the "free" barriers are cluster barriers, so a slot is refilled only once all
