@@ -609,3 +609,21 @@ def test_ordered_issue_validation():
         with pytest.raises(ValueError, match=r"MosaicForwardConfig\.ordered_issue must be"):
             C(**fields)
     C(**ORDERED)
+
+
+def test_launch_order_keeps_huge_batches_on_cudas_x_axis():
+    # CUDA's grid y and z stop at 65535: past that many (batch, head section) pairs the grid
+    # falls back to (tile, head, batch), whose batch is CUDA's x.
+    big = common.TileGrid(4, 2, 40000, head_chunk=1, cluster=2)
+    assert big.tiles_slowest
+    assert big.params() == dict(grid=(4, 2, 40000), grid_names=("tile", "head", "batch"),
+                                cluster=(2, 1, 1),
+                                cluster_names=(common.CLUSTER_AXIS, "pair_head", "pair_batch"))
+    assert not common.TileGrid(4, 2, 32767, head_chunk=1).tiles_slowest
+    assert common.TileGrid(4, 4, 20000, head_chunk=1).tiles_slowest
+    assert not common.TileGrid(4, 4, 20000, head_chunk=2).tiles_slowest
+    q, k, v = _inputs(70000, 8, 8, 1, 1, 64, jnp.bfloat16)
+    spec = _spec(q, k, causal=True, interpret=False)
+    fn = jax.jit(lambda q, k, v: mosaic.forward(spec, q, k, v))
+    text = fn.trace(q, k, v).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text

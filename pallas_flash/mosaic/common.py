@@ -106,6 +106,8 @@ CLUSTER_AXIS = "pair"   # the CTAs of a cluster along the tile axis (forward, co
 # K / V bytes that FlashAttention-3's tile scheduler lets one "section" of heads share in L2
 # (32 MB of the H100's 50 MB: hopper/tile_scheduler.hpp, `size_l2`).
 L2_SECTION_BYTES = 32 << 20
+# CUDA's limit on a grid's y and z sizes (x takes up to 2^31 - 1).
+MAX_GRID_YZ = 65535
 
 
 def launch_head_chunk(bytes_per_head: int, heads: int, longest_first: bool) -> int:
@@ -142,6 +144,10 @@ class TileGrid:
 
     n_tiles counts the grid's entries along the tile axis (clusters of `cluster` adjacent
     tiles when cluster > 1, axis CLUSTER_AXIS; only with head_chunk 1).
+
+    The slowest axis (CUDA's z) takes at most MAX_GRID_YZ entries: a call with more (batch x
+    head sections) than that, e.g. a batch of 100k short sequences, falls back to the old
+    (tile, head, batch) order, whose batch axis is CUDA's x, and ignores head_chunk.
     """
 
     n_tiles: int
@@ -156,8 +162,20 @@ class TileGrid:
         if self.cluster > 1 and self.head_chunk > 1:
             raise ValueError("clusters run with head_chunk 1 (tiles on the fastest axis)")
 
+    @property
+    def tiles_slowest(self) -> bool:
+        """Whether this grid falls back to the (tile, head, batch) order (class docstring)."""
+        return self.batch * (self.heads // self.head_chunk) > MAX_GRID_YZ
+
     def params(self) -> dict:
         """plgpu.kernel's grid (and cluster) arguments."""
+        if self.tiles_slowest:
+            params = dict(grid=(self.n_tiles, self.heads, self.batch),
+                          grid_names=("tile", "head", "batch"))
+            if self.cluster > 1:
+                params.update(cluster=(self.cluster, 1, 1),
+                              cluster_names=(CLUSTER_AXIS, "pair_head", "pair_batch"))
+            return params
         if self.head_chunk == 1:
             params = dict(grid=(self.batch, self.heads, self.n_tiles),
                           grid_names=("batch", "head", "tile"))
@@ -172,7 +190,7 @@ class TileGrid:
 
     def head_batch(self):
         """(head, batch) of this program."""
-        if self.head_chunk == 1:
+        if self.head_chunk == 1 or self.tiles_slowest:
             return lax.axis_index("head"), lax.axis_index("batch")
         chunks = jnp.int32(self.heads // self.head_chunk)
         section = lax.axis_index("section")
