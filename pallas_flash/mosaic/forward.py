@@ -630,6 +630,8 @@ def _kernel_body(q_ref, k_ref, v_ref, q_ids_ref, kv_ids_ref, cta_seg_ref, wg_seg
             carry = (acc, m, l, p0, lo, jnp.bool_(False))
             body = step_lagged
 
+        if cfg.ordered_issue:   # open the first turn before any wait (take_turn)
+            pl.when(wg == cfg.compute_wgs - 1)(lambda: plgpu.barrier_arrive(turn_bar.at[0]))
         with jax.named_scope("q_wait"):
             plgpu.barrier_wait(q_loaded.at[wg])
         unmasked = functools.partial(body, masked=False)
@@ -640,9 +642,6 @@ def _kernel_body(q_ref, k_ref, v_ref, q_ids_ref, kv_ids_ref, cta_seg_ref, wg_seg
         with jax.named_scope("steps"):
             if cfg.pingpong:
                 pl.when(wg == 1)(rendezvous)
-            if cfg.ordered_issue:
-                pl.when(wg == cfg.compute_wgs - 1)(
-                    lambda: plgpu.barrier_arrive(turn_bar.at[0]))
             lax.fori_loop(cta_lo, lo, drain, None)
             carry = lax.fori_loop(lo, full_lo, masked, carry)
             carry = lax.fori_loop(full_lo, full_hi, unmasked, carry)
