@@ -11,3 +11,13 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu,memory.used 
   > "$R/gpu.txt" 2>&1
 MULTI_FILES="tests/test_sharding.py tests/test_sharded_example.py tests/test_scaling_bench.py"
 IGNORE=$(for f in $MULTI_FILES; do printf -- "--ignore=%s " "$f"; done)
+
+# tune NAME LIMIT ARGS...: benchmarks/mosaic_tune.py ARGS into $R/NAME, its log $OUT/NAME.log.
+tune() {  # $1 = log name, $2 = limit, rest = mosaic_tune arguments
+  local name=$1 limit=$2
+  shift 2
+  mkdir -p "$R/$name"
+  timeout "$limit" python3 benchmarks/mosaic_tune.py --iters 10 --out "$R/$name" "$@" \
+    > "$OUT/$name.log" 2>&1
+  echo "exit: $?" >> "$OUT/$name.log"
+}

@@ -19,15 +19,6 @@ PART=${1:-a}
 K176="block_kv=176,compute_registers=240,copy_registers=${COPY_REGS:-24}"
 FWD128=${FWD128:-";fused_exponent=1;$K176;$K176,fused_exponent=1;block_kv=160,compute_registers=240,copy_registers=24;"}
 
-tune() {  # $1 = log name, $2 = limit, rest = mosaic_tune arguments
-  local name=$1 limit=$2
-  shift 2
-  mkdir -p "$R/$name"
-  timeout "$limit" python3 benchmarks/mosaic_tune.py --iters 10 --out "$R/$name" "$@" \
-    > "$OUT/$name.log" 2>&1
-  echo "exit: $?" >> "$OUT/$name.log"
-}
-
 if [ "$PART" = a ]; then
   timeout 170 python3 -m pytest -q --compiled -p no:cacheprovider -n 8 --timeout=160 \
     --timeout-method=thread tests/test_mosaic_forward.py tests/test_mosaic_backward.py \

@@ -17,15 +17,6 @@
 source "$(dirname "$0")/gpu_common.sh"
 PART=${1:-a}
 
-tune() {  # $1 = log name, $2 = limit, rest = mosaic_tune arguments
-  local name=$1 limit=$2
-  shift 2
-  mkdir -p "$R/$name"
-  timeout "$limit" python3 benchmarks/mosaic_tune.py --iters 10 --out "$R/$name" "$@" \
-    > "$OUT/$name.log" 2>&1
-  echo "exit: $?" >> "$OUT/$name.log"
-}
-
 if [ "$PART" = a ]; then
   mapfile -t LEFT < benchmarks/results/left_run67.txt
   timeout 300 python3 -m pytest -v -rfE --compiled -p no:cacheprovider -n 2 --timeout=280 \
