@@ -9,8 +9,27 @@
 #      Mosaic row beside "auto" and cuDNN (is "auto"'s 0.95x at 2x8k non-causal the guard?).
 #   c: Nsight Compute on the fused backward at 1 x 16384 x 16 x 128 causal against cuDNN's
 #      backward (tensor pipe, L2 hit rate, warp states): the last unmet target.
+#   On nvidia-h200-x2 (lent in session 15):
+#   x2: the whole compiled suite, the multi-device files and huge_check.py at once
+#       (gpu_session_x2.sh: each pytest worker on one GPU), verbose.
+#   bc: b on GPU 0 and c on GPU 1 at the same time (Nsight Compute replays one kernel at a time
+#       on its own GPU; b's timings compare within its own process).
+if [ "${1:-a}" = x2 ]; then
+  MOSAIC=skip SCALING=skip BENCH=skip SUITE_TIMEOUT=${SUITE_TIMEOUT:-470} \
+    PYTEST_EXTRA="-rfE --timeout=240 --timeout-method=thread" \
+    exec bash "$(dirname "$0")/gpu_session_x2.sh"
+fi
+if [ "${1:-a}" = bc ]; then
+  CUDA_VISIBLE_DEVICES=0 bash "$0" b > "${OUT:-/tmp/out}/part_b.txt" 2>&1 &
+  CUDA_VISIBLE_DEVICES=1 bash "$0" c > "${OUT:-/tmp/out}/part_c.txt" 2>&1
+  wait
+  cat "${OUT:-/tmp/out}/part_b.txt" "${OUT:-/tmp/out}/part_c.txt"
+  exit 0
+fi
 source "$(dirname "$0")/gpu_common.sh"
 PART=${1:-a}
+R="$R/$PART"   # parts b and c may run at once (part bc): one results folder each
+mkdir -p "$R"; cp "$OUT/r/gpu.txt" "$R/" 2>/dev/null
 
 if [ "$PART" = a ]; then
   timeout 200 python3 -m pytest -v -rfE --compiled -p no:cacheprovider -n 14 --timeout=180 \
@@ -50,7 +69,7 @@ if [ "$PART" = c ]; then
   echo "ncu exit: $?" >> "$OUT/ncu.txt"
 fi
 
-tar -czf "$OUT/results.tar.gz" -C "$R" . && rm -rf "$R"
+tar -czf "$OUT/results_$PART.tar.gz" -C "$R" . && rm -rf "$R"
 for t in "$OUT"/tests*.log; do
   [ -f "$t" ] && { echo "== $t"; grep -E "^(FAILED|ERROR)|passed|failed|exit" "$t" | tail -8; }
 done

@@ -41,10 +41,12 @@ wait $MOSAIC_PID
 [ "${SCALING:-yes}" = skip ] || XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 timeout "${SCALING_TIMEOUT:-140}" python3 benchmarks/scaling.py \
   --out "$R" ${SCALING_ARGS:-} > "$OUT/scaling.log" 2>&1
 [ "${SCALING:-yes}" = skip ] || echo "scaling exit: $?" >> "$OUT/scaling.log"
-CUDA_VISIBLE_DEVICES=0 timeout "${BENCH_TIMEOUT:-100}" python3 -m pallas_flash.bench --out "$R" \
-  --cases "${BENCH_CASES:-2x8192x16x16x128,2x8192x8x8x256}" --impls pallas_flash,cudnn \
-  --iters 10 --iters-bwd 5 --no-plot ${BENCH_ARGS:-} > "$OUT/bench.log" 2>&1
-echo "bench exit: $?" >> "$OUT/bench.log"
+if [ "${BENCH:-yes}" != skip ]; then
+  CUDA_VISIBLE_DEVICES=0 timeout "${BENCH_TIMEOUT:-100}" python3 -m pallas_flash.bench --out "$R" \
+    --cases "${BENCH_CASES:-2x8192x16x16x128,2x8192x8x8x256}" --impls pallas_flash,cudnn \
+    --iters 10 --iters-bwd 5 --no-plot ${BENCH_ARGS:-} > "$OUT/bench.log" 2>&1
+  echo "bench exit: $?" >> "$OUT/bench.log"
+fi
 
 tar -czf "$OUT/results.tar.gz" -C "$R" . && rm -rf "$R"
 for f in tests tests_multi; do
