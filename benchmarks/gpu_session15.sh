@@ -22,7 +22,17 @@ fi
 if [ "${1:-a}" = bc ]; then
   CUDA_VISIBLE_DEVICES=0 bash "$0" b > "${OUT:-/tmp/out}/part_b.txt" 2>&1 &
   CUDA_VISIBLE_DEVICES=1 bash "$0" c > "${OUT:-/tmp/out}/part_c.txt" 2>&1
+  # Then on GPU 1, the tests run 73's limit cut (part x2), by node id.
+  CUDA_VISIBLE_DEVICES=1 PYTHONPATH=. timeout 240 python3 -m pytest -v -rfE --compiled \
+    -p no:cacheprovider -n 4 --timeout=230 --timeout-method=thread \
+    "tests/test_mosaic_fused.py::test_matches_reference[partial-bottom-right-mqa]" \
+    "tests/test_mosaic_fused.py::test_matches_reference[turns-d64]" \
+    "tests/test_properties.py::test_matches_reference[bfloat16]" \
+    "tests/test_properties.py::test_matches_reference[float16]" \
+    > "${OUT:-/tmp/out}/tests_cut.log" 2>&1
+  echo "exit: $?" >> "${OUT:-/tmp/out}/tests_cut.log"
   wait
+  tail -8 "${OUT:-/tmp/out}/tests_cut.log"
   cat "${OUT:-/tmp/out}/part_b.txt" "${OUT:-/tmp/out}/part_c.txt"
   exit 0
 fi
