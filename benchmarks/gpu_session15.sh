@@ -12,12 +12,46 @@
 #   On nvidia-h200-x2 (lent in session 15):
 #   x2: the whole compiled suite, the multi-device files and huge_check.py at once
 #       (gpu_session_x2.sh: each pytest worker on one GPU), verbose.
+#   d (after run 74; MosaicForwardConfig.ordered_issue removed): on GPU 0 the pipelined
+#      benchmark at head_dim 64, 256, GQA 32:8 and again 2x8k head_dim 128 (auto, unguarded
+#      Mosaic, cuDNN); on GPU 1 the four tests run 73's limit cut, and the forward's test file
+#      compiled (the kernel after the removal).
 #   bc: b on GPU 0 and c on GPU 1 at the same time (Nsight Compute replays one kernel at a time
 #       on its own GPU; b's timings compare within its own process).
 if [ "${1:-a}" = x2 ]; then
   MOSAIC=skip SCALING=skip BENCH=skip SUITE_TIMEOUT=${SUITE_TIMEOUT:-470} \
     PYTEST_EXTRA="-rfE --timeout=240 --timeout-method=thread" \
     exec bash "$(dirname "$0")/gpu_session_x2.sh"
+fi
+if [ "${1:-a}" = d ]; then
+  source "$(dirname "$0")/gpu_common.sh"
+  (
+    CUDA_VISIBLE_DEVICES=1 timeout 250 python3 -m pytest -v -rfE --compiled -p no:cacheprovider \
+      -n 4 --timeout=240 --timeout-method=thread \
+      "tests/test_mosaic_fused.py::test_matches_reference[partial-bottom-right-mqa]" \
+      "tests/test_mosaic_fused.py::test_matches_reference[turns-d64]" \
+      "tests/test_properties.py::test_matches_reference[bfloat16]" \
+      "tests/test_properties.py::test_matches_reference[float16]" > "$OUT/tests_cut.log" 2>&1
+    echo "exit: $?" >> "$OUT/tests_cut.log"
+  ) &
+  CUT=$!
+  CUDA_VISIBLE_DEVICES=1 timeout 320 python3 -m pytest -v -rfE --compiled -p no:cacheprovider \
+    -n 10 --timeout=240 --timeout-method=thread tests/test_mosaic_forward.py \
+    > "$OUT/tests_fwd.log" 2>&1 &
+  FWDT=$!
+  CUDA_VISIBLE_DEVICES=0 timeout 330 python3 -m pallas_flash.bench --timer pipelined \
+    --impls pallas_flash,pallas_flash_mosaic,cudnn --iters 20 --iters-bwd 10 \
+    --cases 2x8192x32x32x64,2x8192x8x8x256,2x8192x32x8x128,2x8192x16x16x128 --no-plot \
+    --out "$R" > "$OUT/bench.log" 2>&1
+  echo "exit: $?" >> "$OUT/bench.log"
+  wait $FWDT; echo "exit: $?" >> "$OUT/tests_fwd.log"
+  wait $CUT
+  tar -czf "$OUT/results.tar.gz" -C "$R" . && rm -rf "$R"
+  for t in "$OUT"/tests*.log; do
+    echo "== $t"; grep -E "^(FAILED|ERROR)|passed|failed|exit" "$t" | tail -8
+  done
+  echo "== bench"; tail -32 "$OUT/bench.log"
+  exit 0
 fi
 if [ "${1:-a}" = bc ]; then
   CUDA_VISIBLE_DEVICES=0 bash "$0" b > "${OUT:-/tmp/out}/part_b.txt" 2>&1 &
@@ -53,7 +87,7 @@ if [ "$PART" = a ]; then
 fi
 
 if [ "$PART" = b ]; then
-  FWD=${FWD:-";ordered_issue=1;"}
+  FWD=${FWD:-";ordered_issue=1;"}   # as run 74 ran it (the field is gone since)
   tune fwd128 130 --passes fwd --head-dims 128 --seq 8192,16384 --causal 0,1 --fwd-configs "$FWD"
   tune fwd64 45 --passes fwd --head-dims 64 --seq 8192 --causal 0,1 --fwd-configs "$FWD"
   tune fwd256 45 --passes fwd --head-dims 256 --seq 8192 --causal 0,1 --fwd-configs "$FWD"

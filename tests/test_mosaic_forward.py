@@ -568,52 +568,6 @@ def test_launch_order_validation():
         common.TileGrid(4, 6, 1, head_chunk=4)
 
 
-# config.ordered_issue: the compute warpgroups take turns issuing their wgmmas (with the
-# lagged P V). Compiled: every feature case (drains on both sides of a warpgroup's range, empty
-# rows, segment ids), three warpgroups, and clusters (the turns are per CTA while the slots'
-# barriers span the cluster). On the CPU: sm_90 lowering and validation.
-ORDERED = dict(overlap=True, pingpong=False, ordered_issue=True)
-# Compiled only: in interpret mode the segments-lengths-overlap case hung in CPU CI (session
-# 14, two workers on 2 cores; it had passed alone 3 times in 10 s): each turn wait holds an
-# XLA CPU-pool thread, like the pool starvation tests/conftest.py works around.
-ORDERED_ON_CPU = ()
-
-
-@pytest.mark.skipif(ON_GPU and not IS_HOPPER, reason="Mosaic GPU kernel needs sm_90")
-@pytest.mark.parametrize("b,sq,skv,hq,hkv,d,dtype,config,opts", [
-    _with(case, marks=() if case.id in ORDERED_ON_CPU else COMPILED_ONLY, **ORDERED)
-    for case in FEATURE_CASES] + [
-    pytest.param(1, 400, 400, 4, 2, 64, jnp.bfloat16, C(block_kv=128, **{**THREE_WGS, **ORDERED}),
-                 dict(causal=True), id="three-wgs-gqa-causal",
-        marks=COMPILED_ONLY)] + [
-    pytest.param(2, 300, 300, 4, 2, 128, jnp.bfloat16, C(cluster=2, **ORDERED), dict(causal=c),
-                 id=f"cluster2-{'causal' if c else 'full'}", marks=pytest.mark.skipif(
-                     not IS_HOPPER, reason="clusters run compiled only"))
-    for c in (True, False)])
-def test_ordered_issue_matches_reference_and_triton(b, sq, skv, hq, hkv, d, dtype, config, opts):
-    test_features_match_reference_and_triton(b, sq, skv, hq, hkv, d, dtype, config, opts)
-
-
-@pytest.mark.parametrize("d,causal,compute_wgs", [(128, False, 2), (128, True, 2), (64, True, 3)])
-def test_ordered_issue_lowers_for_sm90(d, causal, compute_wgs):
-    q, k, v = _inputs(2, 1000, 1000, 4, 2, d, jnp.bfloat16)
-    spec = _spec(q, k, causal=causal, interpret=False)
-    cfg = dataclasses.replace(mosaic.default_forward_config(d, spec), ordered_issue=True)
-    assert cfg.compute_wgs == compute_wgs
-    fn = jax.jit(lambda q, k, v: mosaic.forward(spec, q, k, v, config=cfg))
-    text = fn.trace(q, k, v).lower(lowering_platforms=("cuda",)).as_text()
-    assert "mosaic_gpu" in text
-
-
-def test_ordered_issue_validation():
-    for fields in (dict(ordered_issue=True),                     # ping-pong, no overlap
-                   dict(ordered_issue=True, pingpong=False),     # no overlap
-                   dict(ordered_issue=True, overlap=True)):      # with ping-pong
-        with pytest.raises(ValueError, match=r"MosaicForwardConfig\.ordered_issue must be"):
-            C(**fields)
-    C(**ORDERED)
-
-
 def test_launch_order_keeps_huge_batches_on_cudas_x_axis():
     # CUDA's grid y and z stop at 65535: past that many (batch, head section) pairs the grid
     # falls back to (tile, head, batch), whose batch is CUDA's x.

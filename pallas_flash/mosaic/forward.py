@@ -144,6 +144,9 @@ class MosaicForwardConfig:
     overlap: inside each warpgroup, issue S = Q K^T of block j together with the P V product of
       block j - 1 and run the softmax of block j while P V is still on the tensor cores
       (FlashAttention-3's intra-warpgroup pipelining). It holds a second P tile in registers.
+      Tried beside it and removed: the compute warpgroups taking turns to issue their wgmmas
+      (FlashAttention-3's warp scheduler barrier, an mbarrier cycle), 1-6% slower at head_dim
+      64, 128 and 256 (NOTES.md run 74).
     compute_registers / copy_registers: per-thread register budgets after the split
       (setmaxnreg: multiples of 8 in [24, 256]). compute_wgs * compute_registers +
       copy_registers must fit what the launch gives the CTA: 504 per thread with two compute
@@ -182,17 +185,6 @@ class MosaicForwardConfig:
       -> 597 / 595 causal; 16k 628 -> 657 / 687 non-causal, 608 -> 673 / 676 causal; head_dim
       64 506 -> 520 / 519 non-causal but causal 481 -> 458 / 467 and head_dim 256 causal 664
       -> 654 / 641 (the last head's long tiles in the grid's tail: hence sections when causal).
-    ordered_issue: the compute warpgroups take turns issuing their wgmmas (with overlap: each
-      step's S = Q K^T and lagged P V), in a fixed cycle 0, 1, .., compute_wgs - 1: a
-      warpgroup waits for the previous one's issue, issues, and passes the turn on, without
-      waiting for anything else (FlashAttention-3's warp scheduler barrier, which it runs with
-      the intra-warpgroup overlap and two or more consumer warpgroups at 16-bit head_dim <=
-      128: hopper/mainloop_fwd_sm90_tma_gmma_ws.hpp, UseSchedulerBarrier). Why: the tensor
-      cores run the products in issue order, so one warpgroup's S lands a whole product
-      earlier and its softmax overlaps the other's products, where two warpgroups issuing at
-      once both wait for both products. Unlike `pingpong` (a rendezvous that also holds the
-      issuing warpgroup until the other finished its softmax, which lost with overlap in
-      session 4) the turn never waits on a softmax. Needs overlap=True and pingpong=False.
     profile_dir: a folder for Mosaic GPU traces of the kernel (one per call; see
       common.profile_params), "" (the default) for none. A diagnostic.
     cluster: CTAs per cluster along the query tiles, 1, 2 or 4. With n > 1, n CTAs of adjacent
@@ -233,7 +225,6 @@ class MosaicForwardConfig:
     compute_wgs: int = 2
     fused_exponent: bool = True
     head_chunk: int | None = None
-    ordered_issue: bool = False
 
     def __post_init__(self):
         if self.block_q != 64:
@@ -265,9 +256,6 @@ class MosaicForwardConfig:
         if self.cluster > 1 and chunk not in (None, 1):
             raise ValueError("MosaicForwardConfig.head_chunk must be None or 1 with clusters "
                              f"(a cluster's CTAs are adjacent tiles), got {chunk}")
-        if self.ordered_issue and (self.pingpong or not self.overlap):
-            raise ValueError("MosaicForwardConfig.ordered_issue must be False unless "
-                             "overlap=True and pingpong=False")
         if self.compute_wgs not in (2, 3):
             raise ValueError(
                 f"MosaicForwardConfig.compute_wgs must be 2 or 3, got {self.compute_wgs}")
@@ -385,9 +373,7 @@ def _kernel_body(q_ref, k_ref, v_ref, q_ids_ref, kv_ids_ref, cta_seg_ref, wg_seg
             spec: AttentionSpec, cfg: MosaicForwardConfig, group: int, n_tiles: int,
             head_dim: int, order: TileGrid):
     mask = spec.mask
-    # Scratch only some configs have: the issue turns (ordered_issue), P's staging (interpret).
-    turn_bar, extra = (extra[0], extra[1:]) if cfg.ordered_issue else (None, extra)
-    p_smem = extra
+    p_smem = extra   # P's staging, interpret mode only
     block_q, block_kv, stages = cfg.block_q, cfg.block_kv, cfg.stages
     cta_rows = cfg.cta_rows
     dtype = q_ref.dtype
@@ -407,19 +393,6 @@ def _kernel_body(q_ref, k_ref, v_ref, q_ids_ref, kv_ids_ref, cta_seg_ref, wg_seg
         if cfg.pingpong:
             plgpu.barrier_arrive(rendezvous_bar)
             plgpu.barrier_wait(rendezvous_bar)
-
-    # cfg.ordered_issue: warpgroup w waits on turn w before issuing and arrives on turn w + 1
-    # after. Every warpgroup takes n_steps + 1 turns (each streamed block, drains included, and
-    # the last lagged P V), so the cycle never breaks; the last warpgroup opens turn 0 once
-    # before its loop. Turn w can run at most one phase ahead of w's waits: its next arrival
-    # needs w's own next issue.
-    def take_turn():
-        if cfg.ordered_issue:
-            plgpu.barrier_wait(turn_bar.at[wg])
-
-    def pass_turn():
-        if cfg.ordered_issue:
-            plgpu.barrier_arrive(turn_bar.at[lax.rem(wg + 1, jnp.int32(cfg.compute_wgs))])
 
     @pl.when(wg < cfg.compute_wgs)
     def _compute():
@@ -543,11 +516,9 @@ def _kernel_body(q_ref, k_ref, v_ref, q_ids_ref, kv_ids_ref, cta_seg_ref, wg_seg
                     plgpu.wgmma(s_ref, my_q, k_smem.at[slot].T)
                     return s_ref[...]
 
-                take_turn()
                 u = pl.run_scoped(logits, plgpu.ACC((block_q, block_kv), jnp.float32))
                 rendezvous()
                 acc = plus_pv_interpret(acc, p_prev, prev_slot)
-                pass_turn()
                 plgpu.barrier_arrive(k_free.at[slot])
                 m_new, alpha, p, l = online_softmax(visible_logits(j, u, masked), m, l)
                 rendezvous()
@@ -556,10 +527,8 @@ def _kernel_body(q_ref, k_ref, v_ref, q_ids_ref, kv_ids_ref, cta_seg_ref, wg_seg
                     acc_ref, out_ref = refs
 
                     def logits(s_ref):
-                        take_turn()
                         plgpu.wgmma(s_ref, my_q, k_smem.at[slot].T)
                         plgpu.wgmma(acc_ref, p_prev, v_smem.at[prev_slot])
-                        pass_turn()
                         rendezvous()
                         return plgpu.wgmma_accumulator_load(s_ref, wait_n=1)
 
@@ -596,7 +565,6 @@ def _kernel_body(q_ref, k_ref, v_ref, q_ids_ref, kv_ids_ref, cta_seg_ref, wg_seg
             any_block = hi > lo
             pl.when(any_block & jnp.logical_not(waited))(
                 lambda: plgpu.barrier_wait(v_loaded.at[prev_slot]))
-            take_turn()
             if spec.interpret:
                 acc = plus_pv_interpret(acc, p_prev, prev_slot)
             else:
@@ -604,15 +572,12 @@ def _kernel_body(q_ref, k_ref, v_ref, q_ids_ref, kv_ids_ref, cta_seg_ref, wg_seg
                     plgpu.wgmma(acc_ref, p_prev, v_smem.at[prev_slot])
 
                 acc = pl.run_state(last)(plgpu.ACC.init(acc))
-            pass_turn()
             pl.when(any_block)(lambda: plgpu.barrier_arrive(v_free.at[prev_slot]))
             return acc, m, l
 
         def drain(j, _):
             slot = slot_of(j)
             plgpu.barrier_wait(k_loaded.at[slot])
-            take_turn()
-            pass_turn()
             plgpu.barrier_arrive(k_free.at[slot])
             rendezvous()
             plgpu.barrier_wait(v_loaded.at[slot])
@@ -630,8 +595,6 @@ def _kernel_body(q_ref, k_ref, v_ref, q_ids_ref, kv_ids_ref, cta_seg_ref, wg_seg
             carry = (acc, m, l, p0, lo, jnp.bool_(False))
             body = step_lagged
 
-        if cfg.ordered_issue:   # open the first turn before any wait (take_turn)
-            pl.when(wg == cfg.compute_wgs - 1)(lambda: plgpu.barrier_arrive(turn_bar.at[0]))
         with jax.named_scope("q_wait"):
             plgpu.barrier_wait(q_loaded.at[wg])
         unmasked = functools.partial(body, masked=False)
@@ -651,11 +614,6 @@ def _kernel_body(q_ref, k_ref, v_ref, q_ids_ref, kv_ids_ref, cta_seg_ref, wg_seg
             lax.fori_loop(hi, cta_hi, drain, None)
             if cfg.pingpong:
                 pl.when(wg == 0)(rendezvous)
-            if cfg.ordered_issue and spec.interpret:
-                # The last warpgroup's last pass opens a turn 0 that nobody takes; interpret
-                # mode insists that every phase be waited for (on the GPU it costs a wait on
-                # the last issue).
-                pl.when(wg == 0)(lambda: plgpu.barrier_wait(turn_bar.at[0]))
         acc, m, l = carry
 
         # A row that saw no key has l = 0 and leaves with O = 0 (acc is not read: with
@@ -767,8 +725,6 @@ def forward(spec: AttentionSpec, q, k, v, q_ids=None, kv_ids=None, *,
         # The ping-pong rendezvous: only with pingpong, which needs exactly two warpgroups.
         plgpu.Barrier(num_arrivals=wgs),
     ]
-    if cfg.ordered_issue:
-        scratch.append(plgpu.Barrier(num_barriers=wgs))   # the issue turns, one a warpgroup
     if spec.interpret:
         scratch.append(plgpu.SMEM((wgs, cfg.block_q, cfg.block_kv), dtype))
     order = _launch_order(spec, cfg, q, k, n_tiles)
