@@ -53,6 +53,19 @@ if [ "${1:-a}" = d ]; then
   echo "== bench"; tail -32 "$OUT/bench.log"
   exit 0
 fi
+if [ "${1:-a}" = e ]; then   # what part d's limit cut: two benchmarks, one process per GPU
+  source "$(dirname "$0")/gpu_common.sh"
+  CUDA_VISIBLE_DEVICES=0 timeout 200 python3 -m pallas_flash.bench --timer pipelined \
+    --impls pallas_flash,pallas_flash_mosaic,cudnn --iters 20 --iters-bwd 10 --causal yes \
+    --cases 2x8192x32x8x128 --no-plot --out "$R" > "$OUT/bench_gqa.log" 2>&1 &
+  CUDA_VISIBLE_DEVICES=1 timeout 200 python3 -m pallas_flash.bench --timer pipelined \
+    --impls pallas_flash,pallas_flash_mosaic,cudnn --iters 20 --iters-bwd 10 \
+    --cases 2x8192x16x16x128 --no-plot --out "$R" > "$OUT/bench_128.log" 2>&1
+  wait
+  tar -czf "$OUT/results.tar.gz" -C "$R" . && rm -rf "$R"
+  tail -8 "$OUT/bench_gqa.log" "$OUT/bench_128.log"
+  exit 0
+fi
 if [ "${1:-a}" = bc ]; then
   CUDA_VISIBLE_DEVICES=0 bash "$0" b > "${OUT:-/tmp/out}/part_b.txt" 2>&1 &
   CUDA_VISIBLE_DEVICES=1 bash "$0" c > "${OUT:-/tmp/out}/part_c.txt" 2>&1
