@@ -500,6 +500,9 @@ def run_case(case: Case, impl_names, args, key) -> list[dict]:
                "head_dim": case.head_dim, "causal": case.causal, "dtype": args.dtype,
                "impl": name, **fields}
         add_throughput(row, case, run_kw)
+        # The row's speeds as soon as they exist: a run cut by a time limit keeps them in its
+        # log (the table prints only at the end).
+        print("    " + progress_line(row), flush=True)
         rows.append(row)
         if out is not None:
             outputs[name] = out
@@ -508,6 +511,15 @@ def run_case(case: Case, impl_names, args, key) -> list[dict]:
     add_ratios(rows)
     add_accuracy(rows, outputs, case, q, k, v, kw, args.ref_rows, k_rows)
     return rows
+
+
+def progress_line(row: dict) -> str:
+    """'fwd 1.733 ms 634.5 TF/s, bwd ...' for the passes a row timed, or its error."""
+    if row.get("status") != "ok":
+        return f"{row.get('status')}: {row.get('error')}"
+    parts = [f"{p} {row[f'{p}_ms']:.3f} ms {row[f'{p}_tflops']:.1f} TF/s"
+             for p in ("fwd", "bwd") if row.get(f"{p}_ms") and row.get(f"{p}_tflops")]
+    return ", ".join(parts) or "no pass timed"
 
 
 def add_throughput(row: dict, case: Case, kw: dict) -> None:

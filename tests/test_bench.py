@@ -115,6 +115,16 @@ def test_smoke_numbers(smoke):
         assert r["ref_rows"] < r["seq"]  # the sampled-row path was exercised
 
 
+def test_progress_line_reports_each_row_as_it_finishes():
+    ok = {"status": "ok", "fwd_ms": 1.7334, "fwd_tflops": 634.51, "bwd_ms": 5.637,
+          "bwd_tflops": 487.62}
+    assert bench.progress_line(ok) == "fwd 1.733 ms 634.5 TF/s, bwd 5.637 ms 487.6 TF/s"
+    assert bench.progress_line({**ok, "bwd_ms": None, "bwd_tflops": None}) == (
+        "fwd 1.733 ms 634.5 TF/s")
+    assert bench.progress_line({"status": "error", "error": "OOM: out of memory"}) == (
+        "error: OOM: out of memory")
+
+
 def test_smoke_cudnn_is_an_error_row_on_cpu(smoke):
     result, _ = smoke
     if jax.default_backend() != "cpu":
