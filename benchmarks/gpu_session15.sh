@@ -66,6 +66,21 @@ if [ "${1:-a}" = e ]; then   # what part d's limit cut: two benchmarks, one proc
   tail -8 "$OUT/bench_gqa.log" "$OUT/bench_128.log"
   exit 0
 fi
+if [ "${1:-a}" = g ]; then   # the guard at 2x8k non-causal (runs 74/76: auto 3.6-4.7% behind)
+  source "$(dirname "$0")/gpu_common.sh"
+  C=2x8192x16x16x128
+  timeout 120 python3 benchmarks/guard_probe.py --cases $C --causal 0 --sites \
+    > "$OUT/probe.log" 2>&1
+  echo "probe exit: $?" >> "$OUT/probe.log"
+  timeout 120 ncu --clock-control none --metrics gpu__time_duration.sum --print-summary \
+    per-kernel python3 benchmarks/guard_probe.py --cases $C --causal 0 --iters 1 \
+    > "$OUT/probe_ncu.log" 2>&1
+  echo "ncu exit: $?" >> "$OUT/probe_ncu.log"
+  grep -vE "^==PROF==" "$OUT/probe.log" | cut -c1-200 | tail -40
+  grep -vE "^==PROF==" "$OUT/probe_ncu.log" | grep -E "^\s+[a-zA-Z_].*\(|Invocations|gpu__time|exit" \
+    | cut -c1-160 | head -60
+  exit 0
+fi
 if [ "${1:-a}" = bc ]; then
   CUDA_VISIBLE_DEVICES=0 bash "$0" b > "${OUT:-/tmp/out}/part_b.txt" 2>&1 &
   CUDA_VISIBLE_DEVICES=1 bash "$0" c > "${OUT:-/tmp/out}/part_c.txt" 2>&1
