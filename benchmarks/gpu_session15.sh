@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Session 15 (one H200), ready to run: what session 14 left (NOTES.md, "Next GPU session").
-#   usage: bash benchmarks/gpu_session15.sh PART   (PART: a, b, c; see below)
+# Session 15, as run (runs 73-78): what session 14 left (NOTES.md, "Next GPU session").
+#   usage: bash benchmarks/gpu_session15.sh PART   (PART: a, b, c, x2, bc, d, e, g, h; below)
+#   Parts a and b predate the removal of MosaicForwardConfig.ordered_issue (after run 74).
 #   a: the compiled tests session 14 did not finish or add: the ordered-issue forward tests,
 #      then the suite less the files runs 70 and 72 ran (run 71's limit cut 28 unnamed
 #      tests), verbose, so a cut run names what passed.
@@ -18,6 +19,21 @@
 #      compiled (the kernel after the removal).
 #   bc: b on GPU 0 and c on GPU 1 at the same time (Nsight Compute replays one kernel at a time
 #       on its own GPU; b's timings compare within its own process).
+# The four tests run 73's limit cut, by node id.
+CUT_TESTS=("tests/test_mosaic_fused.py::test_matches_reference[partial-bottom-right-mqa]"
+           "tests/test_mosaic_fused.py::test_matches_reference[turns-d64]"
+           "tests/test_properties.py::test_matches_reference[bfloat16]"
+           "tests/test_properties.py::test_matches_reference[float16]")
+# bench LOG LIMIT ARGS...: the pipelined benchmark, auto and unguarded Mosaic beside cuDNN.
+bench() {
+  local log=$1 limit=$2
+  shift 2
+  timeout "$limit" python3 -m pallas_flash.bench --timer pipelined \
+    --impls pallas_flash,pallas_flash_mosaic,cudnn --iters 20 --iters-bwd 10 --no-plot \
+    --out "$R" "$@" > "$OUT/$log.log" 2>&1
+  echo "exit: $?" >> "$OUT/$log.log"
+}
+
 if [ "${1:-a}" = x2 ]; then
   MOSAIC=skip SCALING=skip BENCH=skip SUITE_TIMEOUT=${SUITE_TIMEOUT:-470} \
     PYTEST_EXTRA="-rfE --timeout=240 --timeout-method=thread" \
@@ -27,11 +43,7 @@ if [ "${1:-a}" = d ]; then
   source "$(dirname "$0")/gpu_common.sh"
   (
     CUDA_VISIBLE_DEVICES=1 timeout 250 python3 -m pytest -v -rfE --compiled -p no:cacheprovider \
-      -n 4 --timeout=240 --timeout-method=thread \
-      "tests/test_mosaic_fused.py::test_matches_reference[partial-bottom-right-mqa]" \
-      "tests/test_mosaic_fused.py::test_matches_reference[turns-d64]" \
-      "tests/test_properties.py::test_matches_reference[bfloat16]" \
-      "tests/test_properties.py::test_matches_reference[float16]" > "$OUT/tests_cut.log" 2>&1
+      -n 4 --timeout=240 --timeout-method=thread "${CUT_TESTS[@]}" > "$OUT/tests_cut.log" 2>&1
     echo "exit: $?" >> "$OUT/tests_cut.log"
   ) &
   CUT=$!
@@ -39,11 +51,8 @@ if [ "${1:-a}" = d ]; then
     -n 10 --timeout=240 --timeout-method=thread tests/test_mosaic_forward.py \
     > "$OUT/tests_fwd.log" 2>&1 &
   FWDT=$!
-  CUDA_VISIBLE_DEVICES=0 timeout 330 python3 -m pallas_flash.bench --timer pipelined \
-    --impls pallas_flash,pallas_flash_mosaic,cudnn --iters 20 --iters-bwd 10 \
-    --cases 2x8192x32x32x64,2x8192x8x8x256,2x8192x32x8x128,2x8192x16x16x128 --no-plot \
-    --out "$R" > "$OUT/bench.log" 2>&1
-  echo "exit: $?" >> "$OUT/bench.log"
+  CUDA_VISIBLE_DEVICES=0 bench bench 330 \
+    --cases 2x8192x32x32x64,2x8192x8x8x256,2x8192x32x8x128,2x8192x16x16x128
   wait $FWDT; echo "exit: $?" >> "$OUT/tests_fwd.log"
   wait $CUT
   tar -czf "$OUT/results.tar.gz" -C "$R" . && rm -rf "$R"
@@ -55,12 +64,8 @@ if [ "${1:-a}" = d ]; then
 fi
 if [ "${1:-a}" = e ]; then   # what part d's limit cut: two benchmarks, one process per GPU
   source "$(dirname "$0")/gpu_common.sh"
-  CUDA_VISIBLE_DEVICES=0 timeout 200 python3 -m pallas_flash.bench --timer pipelined \
-    --impls pallas_flash,pallas_flash_mosaic,cudnn --iters 20 --iters-bwd 10 --causal yes \
-    --cases 2x8192x32x8x128 --no-plot --out "$R" > "$OUT/bench_gqa.log" 2>&1 &
-  CUDA_VISIBLE_DEVICES=1 timeout 200 python3 -m pallas_flash.bench --timer pipelined \
-    --impls pallas_flash,pallas_flash_mosaic,cudnn --iters 20 --iters-bwd 10 \
-    --cases 2x8192x16x16x128 --no-plot --out "$R" > "$OUT/bench_128.log" 2>&1
+  CUDA_VISIBLE_DEVICES=0 bench bench_gqa 200 --causal yes --cases 2x8192x32x8x128 &
+  CUDA_VISIBLE_DEVICES=1 bench bench_128 200 --cases 2x8192x16x16x128
   wait
   tar -czf "$OUT/results.tar.gz" -C "$R" . && rm -rf "$R"
   tail -8 "$OUT/bench_gqa.log" "$OUT/bench_128.log"
@@ -83,12 +88,7 @@ if [ "${1:-a}" = g ]; then   # the guard at 2x8k non-causal (runs 74/76: auto 3.
 fi
 if [ "${1:-a}" = h ]; then   # 2x8k non-causal on a quiet single H200, twice (two processes)
   source "$(dirname "$0")/gpu_common.sh"
-  for i in 1 2; do
-    timeout 100 python3 -m pallas_flash.bench --timer pipelined --causal no \
-      --impls pallas_flash,pallas_flash_mosaic,cudnn --iters 20 --iters-bwd 10 \
-      --cases 2x8192x16x16x128 --no-plot --out "$R" > "$OUT/bench_quiet_$i.log" 2>&1
-    echo "exit: $?" >> "$OUT/bench_quiet_$i.log"
-  done
+  for i in 1 2; do bench "bench_quiet_$i" 100 --causal no --cases 2x8192x16x16x128; done
   tar -czf "$OUT/results.tar.gz" -C "$R" . && rm -rf "$R"
   for i in 1 2; do grep -A6 "^case" "$OUT/bench_quiet_$i.log"; tail -1 "$OUT/bench_quiet_$i.log"; done
   exit 0
@@ -98,11 +98,7 @@ if [ "${1:-a}" = bc ]; then
   CUDA_VISIBLE_DEVICES=1 bash "$0" c > "${OUT:-/tmp/out}/part_c.txt" 2>&1
   # Then on GPU 1, the tests run 73's limit cut (part x2), by node id.
   CUDA_VISIBLE_DEVICES=1 PYTHONPATH=. timeout 240 python3 -m pytest -v -rfE --compiled \
-    -p no:cacheprovider -n 4 --timeout=230 --timeout-method=thread \
-    "tests/test_mosaic_fused.py::test_matches_reference[partial-bottom-right-mqa]" \
-    "tests/test_mosaic_fused.py::test_matches_reference[turns-d64]" \
-    "tests/test_properties.py::test_matches_reference[bfloat16]" \
-    "tests/test_properties.py::test_matches_reference[float16]" \
+    -p no:cacheprovider -n 4 --timeout=230 --timeout-method=thread "${CUT_TESTS[@]}" \
     > "${OUT:-/tmp/out}/tests_cut.log" 2>&1
   echo "exit: $?" >> "${OUT:-/tmp/out}/tests_cut.log"
   wait
@@ -131,10 +127,7 @@ if [ "$PART" = b ]; then
   tune fwd128 130 --passes fwd --head-dims 128 --seq 8192,16384 --causal 0,1 --fwd-configs "$FWD"
   tune fwd64 45 --passes fwd --head-dims 64 --seq 8192 --causal 0,1 --fwd-configs "$FWD"
   tune fwd256 45 --passes fwd --head-dims 256 --seq 8192 --causal 0,1 --fwd-configs "$FWD"
-  timeout 260 python3 -m pallas_flash.bench --timer pipelined \
-    --impls pallas_flash,pallas_flash_mosaic,cudnn --iters 20 --iters-bwd 10 \
-    --cases 2x8192x16x16x128,1x16384x16x16x128 --no-plot --out "$R/bench" > "$OUT/bench.log" 2>&1
-  echo "exit: $?" >> "$OUT/bench.log"
+  R="$R/bench" bench bench 260 --cases 2x8192x16x16x128,1x16384x16x16x128
 fi
 
 if [ "$PART" = c ]; then
