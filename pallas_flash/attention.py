@@ -10,6 +10,7 @@ module never knows how a kernel tiles its work.
 from __future__ import annotations
 
 import functools
+import warnings
 from typing import Any
 
 import jax
@@ -186,6 +187,28 @@ def _is_sm90() -> bool:
     return jax.default_backend() == "gpu" and _capability() == "9.0"
 
 
+class InterpretModeWarning(UserWarning):
+    """The kernels run in Pallas interpret mode because JAX has no GPU."""
+
+
+_interpret_warned = False
+
+
+def _warn_interpret_once() -> None:
+    """One warning per process: interpret mode is exact but far slower than compiled kernels,
+    and a GPU machine that got the CPU-only jaxlib would otherwise run it without a word."""
+    global _interpret_warned
+    if _interpret_warned:
+        return
+    _interpret_warned = True
+    warnings.warn(
+        f"pallas_flash: JAX's default backend is {jax.default_backend()!r}, not a GPU, so the "
+        "kernels run in Pallas interpret mode (exact, but far slower than compiled kernels). "
+        "On an NVIDIA GPU machine install jax with its CUDA plugin: pip install "
+        "'pallas_flash[cuda]'. Pass interpret=True to choose interpret mode without this "
+        "warning.", InterpretModeWarning, stacklevel=4)
+
+
 def kernel_options(q, *, precision, config, interpret):
     """Validates and defaults the options that steer the kernels (how, not what).
 
@@ -205,6 +228,8 @@ def kernel_options(q, *, precision, config, interpret):
         raise ValueError(f"config must be a pallas_flash.FlashConfig, got {type(config).__name__}")
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
+        if interpret:
+            _warn_interpret_once()
     elif not isinstance(interpret, bool):
         raise ValueError(f"interpret must be None or a bool, got {interpret!r}")
     if q.dtype == jnp.float64 and not interpret:
