@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 import warnings
-from typing import Any
+from typing import Any, Literal, overload
 
 import jax
 import jax.numpy as jnp
@@ -58,6 +58,75 @@ _PRECISIONS = {
 }
 
 
+@overload
+def flash_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    causal: bool = ...,
+    scale: float | None = ...,
+    return_lse: Literal[False] = ...,
+    causal_alignment: CausalAlignment = ...,
+    window: tuple[int | None, int | None] | None = ...,
+    softcap: float | None = ...,
+    q_segment_ids: jax.Array | None = ...,
+    kv_segment_ids: jax.Array | None = ...,
+    q_lengths: jax.Array | None = ...,
+    kv_lengths: jax.Array | None = ...,
+    precision: Any = ...,
+    config: FlashConfig | None = ...,
+    backend: str = ...,
+    interpret: bool | None = ...,
+) -> jax.Array: ...
+
+
+@overload
+def flash_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    causal: bool = ...,
+    scale: float | None = ...,
+    return_lse: Literal[True],
+    causal_alignment: CausalAlignment = ...,
+    window: tuple[int | None, int | None] | None = ...,
+    softcap: float | None = ...,
+    q_segment_ids: jax.Array | None = ...,
+    kv_segment_ids: jax.Array | None = ...,
+    q_lengths: jax.Array | None = ...,
+    kv_lengths: jax.Array | None = ...,
+    precision: Any = ...,
+    config: FlashConfig | None = ...,
+    backend: str = ...,
+    interpret: bool | None = ...,
+) -> tuple[jax.Array, jax.Array]: ...
+
+
+@overload
+def flash_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    causal: bool = ...,
+    scale: float | None = ...,
+    return_lse: bool = ...,
+    causal_alignment: CausalAlignment = ...,
+    window: tuple[int | None, int | None] | None = ...,
+    softcap: float | None = ...,
+    q_segment_ids: jax.Array | None = ...,
+    kv_segment_ids: jax.Array | None = ...,
+    q_lengths: jax.Array | None = ...,
+    kv_lengths: jax.Array | None = ...,
+    precision: Any = ...,
+    config: FlashConfig | None = ...,
+    backend: str = ...,
+    interpret: bool | None = ...,
+) -> jax.Array | tuple[jax.Array, jax.Array]: ...
+
+
 def flash_attention(
     q: jax.Array,
     k: jax.Array,
@@ -77,7 +146,7 @@ def flash_attention(
     config: FlashConfig | None = None,
     backend: str = "auto",
     interpret: bool | None = None,
-):
+) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Memory-efficient exact attention, softmax(scale * q k^T) v, with O(seq) memory.
 
     Args:

@@ -7,6 +7,8 @@ so that it is the more accurate side of every comparison, on the CPU and on the 
 
 from __future__ import annotations
 
+from typing import Literal, overload
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -15,6 +17,63 @@ from pallas_flash import validation
 from pallas_flash.masking import make_mask_spec
 
 __all__ = ["reference_attention"]
+
+
+@overload
+def reference_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    causal: bool = ...,
+    scale: float | None = ...,
+    return_lse: Literal[False] = ...,
+    causal_alignment: str = ...,
+    window: tuple[int | None, int | None] | None = ...,
+    softcap: float | None = ...,
+    q_segment_ids: jax.Array | None = ...,
+    kv_segment_ids: jax.Array | None = ...,
+    q_lengths: jax.Array | None = ...,
+    kv_lengths: jax.Array | None = ...,
+) -> jax.Array: ...
+
+
+@overload
+def reference_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    causal: bool = ...,
+    scale: float | None = ...,
+    return_lse: Literal[True],
+    causal_alignment: str = ...,
+    window: tuple[int | None, int | None] | None = ...,
+    softcap: float | None = ...,
+    q_segment_ids: jax.Array | None = ...,
+    kv_segment_ids: jax.Array | None = ...,
+    q_lengths: jax.Array | None = ...,
+    kv_lengths: jax.Array | None = ...,
+) -> tuple[jax.Array, jax.Array]: ...
+
+
+@overload
+def reference_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    causal: bool = ...,
+    scale: float | None = ...,
+    return_lse: bool = ...,
+    causal_alignment: str = ...,
+    window: tuple[int | None, int | None] | None = ...,
+    softcap: float | None = ...,
+    q_segment_ids: jax.Array | None = ...,
+    kv_segment_ids: jax.Array | None = ...,
+    q_lengths: jax.Array | None = ...,
+    kv_lengths: jax.Array | None = ...,
+) -> jax.Array | tuple[jax.Array, jax.Array]: ...
 
 
 def reference_attention(
@@ -32,7 +91,7 @@ def reference_attention(
     kv_segment_ids: jax.Array | None = None,
     q_lengths: jax.Array | None = None,
     kv_lengths: jax.Array | None = None,
-):
+) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Attention computed the obvious way. Same arguments and conventions as `flash_attention`.
 
     Args:
