@@ -1,4 +1,4 @@
-"""Issue 7: do the kernels' offsets survive tensors of more than 2**31 elements?
+"""Do the kernels' offsets survive tensors of more than 2**31 elements?
 
     PYTHONPATH=. python benchmarks/huge_check.py --out $OUT          # on one H200, ~2-3 min
     PYTHONPATH=. python benchmarks/huge_check.py --smoke --out /tmp  # tiny, CPU (interpret mode)
@@ -68,7 +68,9 @@ import numpy as np  # noqa: E402
 from jax import lax  # noqa: E402
 
 import pallas_flash as pf  # noqa: E402
-from pallas_flash import bench  # noqa: E402  (FLOP count, git commit, seq parsing)
+from pallas_flash.bench.cases import attention_flops, parse_seq, seq_label  # noqa: E402
+from pallas_flash.bench.impls import short_error  # noqa: E402
+from pallas_flash.bench.report import git_commit  # noqa: E402
 
 INT32_LIMIT = 2**31
 DEFAULT_SHAPE = (1 << 20, 32, 128)   # seq, heads, head_dim
@@ -348,7 +350,7 @@ def metadata(args, argv) -> dict:
         "backend": jax.default_backend(),
         "interpret": jax.default_backend() != "gpu",
         "jax_version": jax.__version__,
-        "git_commit": bench.git_commit(),
+        "git_commit": git_commit(),
         "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "argv": list(argv),
         "shape": {"batch": 1, "seq": seq, "q_heads": heads, "kv_heads": heads,
@@ -370,7 +372,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="benchmarks/huge_check.py",
         description="One flash_attention forward+backward on tensors of more than 2**31 "
                     "elements, checked on sampled rows against a float32 reference.")
-    p.add_argument("--seq", type=bench.parse_seq, default=None,
+    p.add_argument("--seq", type=parse_seq, default=None,
                    help="sequence length, e.g. 1M or 65536 (default 1M; --smoke: 300)")
     p.add_argument("--heads", type=int, default=None, help="q and kv heads (default 32)")
     p.add_argument("--head-dim", type=int, default=None, help="default 128")
@@ -415,7 +417,7 @@ def run(args: argparse.Namespace, argv: list[str] = (), *,
     seq, heads, head_dim, causal = args.seq, args.heads, args.head_dim, args.causal
     os.makedirs(args.out, exist_ok=True)
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
-    path = os.path.join(args.out, f"huge_check_{bench.seq_label(seq)}_{stamp}.json")
+    path = os.path.join(args.out, f"huge_check_{seq_label(seq)}_{stamp}.json")
     meta = metadata(args, argv)
     report = Report(path, meta)
     log, times = report.log, report.data["times_s"]
@@ -440,12 +442,12 @@ def run(args: argparse.Namespace, argv: list[str] = (), *,
         # A pointer offset that wrapped around int32 tends to end as an illegal memory access,
         # not as wrong numbers: that is a failure of the check, reported like any other.
         traceback.print_exc()
-        report.add("step", False, f"forward/backward raised {bench.short_error(e)}",
-                   error=bench.short_error(e))
+        report.add("step", False, f"forward/backward raised {short_error(e)}",
+                   error=short_error(e))
         return finish(report, path, t_start)
     times.update(step_times)
     report.data["peak_bytes_after_step"] = peak_bytes()
-    flops = {p: bench.attention_flops(1, seq, seq, heads, head_dim, causal, p)
+    flops = {p: attention_flops(1, seq, seq, heads, head_dim, causal, p)
              for p in ("fwd", "bwd")}
     report.data["tflops"] = {p: flops[p] / times[f"{p}_s"] / 1e12 for p in flops}
     log(f"TFLOP/s: forward {report.data['tflops']['fwd']:.3g} (compile included), backward "

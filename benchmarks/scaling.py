@@ -1,4 +1,4 @@
-"""Context-parallel scaling of `pallas_flash.ring_attention` against one device (issue 6).
+"""Context-parallel scaling of `pallas_flash.ring_attention` against one device.
 
 Usage, from the repository root:
 
@@ -22,8 +22,8 @@ dq, dk, dv) is run `--warmup` times, then `--iters` times, each call ended by
     one-device inputs put into zig-zag order with `zigzag_permute` (a model does that once, at
     its input, so the permutation is not part of the timed step).
 TFLOP/s counts the forward as 4*B*H*S*S*D, halved for causal, and forward+backward as 3.5x
-that (`pallas_flash.bench.attention_flops`); the ring's total is that count over its time and
-its per-GPU figure the total / P. Scaling efficiency = t_1 / (P * t_P): 1.0 is perfect.
+that (`pallas_flash.bench.cases.attention_flops`); the ring's total is that count over its time
+and its per-GPU figure the total / P. Scaling efficiency = t_1 / (P * t_P): 1.0 is perfect.
 The ring row also checks correctness: its output (and gradients), put back into natural
 order, against the one-device step's at the same length, as ||ring - one|| / ||one||; the
 output must be within 2e-2 (bf16) for "match".
@@ -76,8 +76,11 @@ except ImportError:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     import pallas_flash as pf
 
-from pallas_flash.bench import (attention_flops, git_commit, parse_seq, rel_err,  # noqa: E402
-                                seq_label, short_error, time_calls)
+from pallas_flash.bench.accuracy import rel_err  # noqa: E402
+from pallas_flash.bench.cases import attention_flops, parse_seq, seq_label  # noqa: E402
+from pallas_flash.bench.impls import short_error  # noqa: E402
+from pallas_flash.bench.report import git_commit  # noqa: E402
+from pallas_flash.bench.timing import time_calls  # noqa: E402
 
 AXIS = "context"
 DTYPES = {"bf16": jnp.bfloat16, "fp16": jnp.float16, "fp32": jnp.float32}

@@ -12,29 +12,30 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from pallas_flash import bench
+from pallas_flash.bench import accuracy, cases, impls, report, timing
+from pallas_flash.bench.__main__ import main
 
 
 def test_flops_formula_by_hand():
     # 4 * 8 * 16 * 2048 * 2048 * 128 = 274_877_906_944
-    dense = bench.attention_flops(8, 2048, 2048, 16, 128, causal=False)
+    dense = cases.attention_flops(8, 2048, 2048, 16, 128, causal=False)
     assert dense == 274_877_906_944
-    assert bench.attention_flops(8, 2048, 2048, 16, 128, causal=True) == 137_438_953_472
-    assert bench.attention_flops(8, 2048, 2048, 16, 128, True, "bwd") == 343_597_383_680
-    assert bench.attention_flops(8, 2048, 2048, 16, 128, True, "fwdbwd") == 481_036_337_152
+    assert cases.attention_flops(8, 2048, 2048, 16, 128, causal=True) == 137_438_953_472
+    assert cases.attention_flops(8, 2048, 2048, 16, 128, True, "bwd") == 343_597_383_680
+    assert cases.attention_flops(8, 2048, 2048, 16, 128, True, "fwdbwd") == 481_036_337_152
 
 
 def test_attended_pairs_of_variants():
-    case = bench.Case(1, 16, 1, 1, 8, True, "window")
+    case = cases.Case(1, 16, 1, 1, 8, True, "window")
     # window 4 over 16 keys: rows 0..3 see 1..4 keys, rows 4..15 see 5 keys.
-    assert bench.attended_pairs(case, {"window": (4, 0)}) == (1 + 2 + 3 + 4) + 12 * 5
+    assert cases.attended_pairs(case, {"window": (4, 0)}) == (1 + 2 + 3 + 4) + 12 * 5
     ids = jnp.array([[0, 0, 0, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2]], jnp.int32)
-    pairs = bench.attended_pairs(case, {"q_segment_ids": ids, "kv_segment_ids": ids})
+    pairs = cases.attended_pairs(case, {"q_segment_ids": ids, "kv_segment_ids": ids})
     assert pairs == 3 * 4 / 2 + 2 * 3 / 2 + 11 * 12 / 2
 
 
 def test_packed_segment_ids_cover_all_documents():
-    ids = bench.packed_segment_ids(jax.random.key(1), 1024, 12)
+    ids = cases.packed_segment_ids(jax.random.key(1), 1024, 12)
     assert ids.shape == (1, 1024)
     counts = jnp.bincount(ids[0], length=12)
     assert int(counts.min()) >= 1 and int(counts.sum()) == 1024
@@ -42,9 +43,9 @@ def test_packed_segment_ids_cover_all_documents():
 
 
 def test_parse_helpers():
-    assert bench.parse_case("2x8192x32x8x128") == (2, 8192, 32, 8, 128)
-    assert [bench.parse_seq(s) for s in ("32k", "1M", "300")] == [32768, 1 << 20, 300]
-    assert bench.seq_label(4 << 20) == "4M"
+    assert cases.parse_case("2x8192x32x8x128") == (2, 8192, 32, 8, 128)
+    assert [cases.parse_seq(s) for s in ("32k", "1M", "300")] == [32768, 1 << 20, 300]
+    assert cases.seq_label(4 << 20) == "4M"
 
 
 @pytest.mark.parametrize("opts", [
@@ -67,10 +68,10 @@ def test_reference_rows_matches_reference_attention(opts):
     k = jax.random.normal(kk, (b, s, hkv, d), jnp.float32)
     v = jax.random.normal(kv, (b, s, hkv, d), jnp.float32)
     if opts.pop("segments", False):
-        ids = jnp.broadcast_to(bench.packed_segment_ids(ks, s, 4), (b, s))
+        ids = jnp.broadcast_to(cases.packed_segment_ids(ks, s, 4), (b, s))
         opts.update(q_segment_ids=ids, kv_segment_ids=ids)
     rows = jnp.array([0, 3, 17, 39])
-    got = bench.reference_rows(q, k, v, rows, **opts)
+    got = accuracy.reference_rows(q, k, v, rows, **opts)
     want = pallas_flash.reference_attention(q, k, v, **opts)[:, rows]
     assert jnp.allclose(got, want, atol=1e-5, rtol=1e-5)
 
@@ -78,7 +79,7 @@ def test_reference_rows_matches_reference_attention(opts):
 @pytest.fixture(scope="module")
 def smoke(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
-    result = bench.main(["--smoke", "--out", str(out)])
+    result = main(["--smoke", "--out", str(out)])
     return result, out
 
 
@@ -118,10 +119,10 @@ def test_smoke_numbers(smoke):
 def test_progress_line_reports_each_row_as_it_finishes():
     ok = {"status": "ok", "fwd_ms": 1.7334, "fwd_tflops": 634.51, "bwd_ms": 5.637,
           "bwd_tflops": 487.62}
-    assert bench.progress_line(ok) == "fwd 1.733 ms 634.5 TF/s, bwd 5.637 ms 487.6 TF/s"
-    assert bench.progress_line({**ok, "bwd_ms": None, "bwd_tflops": None}) == (
+    assert timing.progress_line(ok) == "fwd 1.733 ms 634.5 TF/s, bwd 5.637 ms 487.6 TF/s"
+    assert timing.progress_line({**ok, "bwd_ms": None, "bwd_tflops": None}) == (
         "fwd 1.733 ms 634.5 TF/s")
-    assert bench.progress_line({"status": "error", "error": "OOM: out of memory"}) == (
+    assert timing.progress_line({"status": "error", "error": "OOM: out of memory"}) == (
         "error: OOM: out of memory")
 
 
@@ -145,19 +146,19 @@ def test_failing_impl_does_not_stop_the_run(tmp_path, monkeypatch):
     def boom(q, k, v, causal, **kw):
         raise RuntimeError("kaboom\nsecond line")
 
-    monkeypatch.setitem(bench.IMPLS, "boom", boom)
-    result = bench.main(["--smoke", "--impls", "boom,xla", "--causal", "no",
+    monkeypatch.setitem(impls.IMPLS, "boom", boom)
+    result = main(["--smoke", "--impls", "boom,xla", "--causal", "no",
                          "--out", str(tmp_path)])
     by_impl = {r["impl"]: r for r in result["results"]}
     assert by_impl["boom"]["status"] == "error"
     assert by_impl["boom"]["error"] == "RuntimeError: kaboom"
     assert by_impl["xla"]["status"] == "ok"
-    assert "error: RuntimeError: kaboom" in bench.format_table(result["results"])
+    assert "error: RuntimeError: kaboom" in report.format_table(result["results"])
 
 
 def test_memory_mode_runs_children(tmp_path):
     """Plumbing of --memory: one fresh subprocess per point, JSON back."""
-    result = bench.main(["--memory", "--memory-seqs", "256", "--impls", "xla",
+    result = main(["--memory", "--memory-seqs", "256", "--impls", "xla",
                          "--no-plot", "--out", str(tmp_path)])
     (point,) = result["memory"]["points"]
     assert point["status"] == "ok", point
@@ -169,13 +170,13 @@ def test_memory_mode_runs_children(tmp_path):
 
 def test_variants_small(tmp_path, monkeypatch):
     """Variant plumbing on tiny shapes: options reach each impl, plain row, n.a. rows."""
-    monkeypatch.setattr(bench, "WINDOW", (12, 0))
-    monkeypatch.setattr(bench, "variant_cases", lambda: [
-        bench.Case(1, 64, 1, 1, 16, True, "packed"),
-        bench.Case(1, 64, 1, 1, 16, True, "window"),
-        bench.Case(1, 64, 1, 1, 16, True, "softcap"),
+    monkeypatch.setattr(cases, "WINDOW", (12, 0))
+    monkeypatch.setattr(cases, "variant_cases", lambda: [
+        cases.Case(1, 64, 1, 1, 16, True, "packed"),
+        cases.Case(1, 64, 1, 1, 16, True, "window"),
+        cases.Case(1, 64, 1, 1, 16, True, "softcap"),
     ])
-    result = bench.main(["--smoke", "--cases", "none", "--variants",
+    result = main(["--smoke", "--cases", "none", "--variants",
                          "--impls", "pallas_flash,xla", "--out", str(tmp_path)])
     rows = {(r["variant"], r["impl"]): r for r in result["results"]}
     assert len(rows) == 9
@@ -187,18 +188,18 @@ def test_variants_small(tmp_path, monkeypatch):
         # xla expresses segments as a dense mask and the window through
         # local_window_size: agreeing with the reference checks the translation.
         assert r["err_vs_ref"] < 2e-2, r
-        if impl == bench.PLAIN:
-            assert r["fwd_flops"] == bench.attention_flops(1, 64, 64, 1, 16, True)
+        if impl == cases.PLAIN:
+            assert r["fwd_flops"] == cases.attention_flops(1, 64, 64, 1, 16, True)
         elif variant != "softcap":
-            assert r["fwd_flops"] < bench.attention_flops(1, 64, 64, 1, 16, True)
-    assert "n.a.: no softcap" in bench.format_table(result["results"])
+            assert r["fwd_flops"] < cases.attention_flops(1, 64, 64, 1, 16, True)
+    assert "n.a.: no softcap" in report.format_table(result["results"])
 
 
 def test_runs_started_in_one_second_get_their_own_files(tmp_path):
-    # Two benchmark processes on two GPUs of one host, started together, once wrote the same
-    # bench_<stamp>.json and one run's results were lost (NOTES.md, run 17).
-    first = bench.claim_stem(str(tmp_path), "bench", "20261130-031413")
-    second = bench.claim_stem(str(tmp_path), "bench", "20261130-031413")
+    # Two benchmark processes started in the same second (one per GPU of a host) must not
+    # write the same bench_<stamp>.json.
+    first = report.claim_stem(str(tmp_path), "bench", "20261130-031413")
+    second = report.claim_stem(str(tmp_path), "bench", "20261130-031413")
     assert first == "bench_20261130-031413"
     assert second == "bench_20261130-031413-2"
     assert {p.name for p in tmp_path.iterdir()} == {first + ".json", second + ".json"}
@@ -214,7 +215,7 @@ def test_timer_calls_and_times(pipelined):
         calls.append(1)
         return x + len(calls)
 
-    times, out = bench.time_calls(f, (jnp.zeros(3),), iters=4, warmup=2, pipelined=pipelined)
+    times, out = timing.time_calls(f, (jnp.zeros(3),), iters=4, warmup=2, pipelined=pipelined)
     assert len(times) == (3 if pipelined else 4) and all(t > 0 for t in times)
     assert len(calls) == 2 + (3 * 4 if pipelined else 4)
     assert float(out[0]) == len(calls)

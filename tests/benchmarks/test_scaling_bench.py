@@ -14,7 +14,7 @@ import pytest
 
 from helpers import example_module
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "scaling.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "scaling.py"
 NUM_DEVICES = len(jax.devices())
 pytestmark = pytest.mark.skipif(NUM_DEVICES < 2, reason="the ring needs at least 2 devices")
 

@@ -1,4 +1,4 @@
-"""Tests of benchmarks/huge_check.py (issue 7) that run on the CPU.
+"""Tests of benchmarks/huge_check.py that run on the CPU.
 
 The script proves on a GPU that offsets past 2**31 elements are right; here its --smoke shape
 runs the same pipeline in interpret mode (forward under jax.vjp, backward, finiteness, the
@@ -14,7 +14,7 @@ import jax.numpy as jnp
 
 from helpers import example_module
 
-_SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "huge_check.py"
+_SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "huge_check.py"
 
 
 def _load():

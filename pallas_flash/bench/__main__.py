@@ -1,0 +1,229 @@
+"""``python -m pallas_flash.bench``: the command line of the benchmark and of its report."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+
+import jax
+
+from pallas_flash.bench import cases, memory, report
+from pallas_flash.bench.impls import DEFAULT_IMPLS, IMPLS
+from pallas_flash.bench.plots import plot_memory, plot_speed
+from pallas_flash.bench.timing import run_case
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m pallas_flash.bench",
+        description="Time and check pallas_flash against cuDNN and XLA attention.")
+    p.add_argument("--cases", default=None,
+                   help="comma list of BxSxHqxHkvxD, e.g. 2x8192x16x16x128; "
+                        "'none' runs no standard case (default: the six standard cases)")
+    p.add_argument("--causal", choices=("both", "yes", "no"), default=None,
+                   help="which masks to run for the standard cases (default both)")
+    p.add_argument("--impls", default=None,
+                   help=f"comma list from {sorted(IMPLS)} (default "
+                        f"{','.join(DEFAULT_IMPLS)}; variants default to pallas_flash,cudnn)")
+    p.add_argument("--dtype", choices=sorted(cases.DTYPES), default="bf16")
+    p.add_argument("--iters", type=int, default=None, help="forward runs (default 20)")
+    p.add_argument("--iters-bwd", type=int, default=None,
+                   help="forward+backward runs (default 10)")
+    p.add_argument("--warmup", type=int, default=None,
+                   help="untimed calls first, at least 2 (default 3)")
+    p.add_argument("--timer", choices=("call", "pipelined"), default="call",
+                   help="time each call to its end (default), or batches of back-to-back "
+                        "calls with one synchronisation each (host work overlapped)")
+    p.add_argument("--ref-rows", type=int, default=None,
+                   help="query rows sampled for the f32 reference (default 256)")
+    p.add_argument("--variants", action="store_true",
+                   help="also run packed documents, sliding window and softcap cases")
+    p.add_argument("--memory", action="store_true",
+                   help="instead: peak memory of one fwd+bwd step as seq grows "
+                        "(batch 1, 16 heads, head_dim 128, causal), one subprocess per point")
+    p.add_argument("--memory-seqs", default=memory.MEMORY_SEQS,
+                   help=f"sequence lengths for --memory (default {memory.MEMORY_SEQS})")
+    p.add_argument("--child-timeout", type=float, default=900.0,
+                   help="seconds per --memory subprocess (default 900)")
+    p.add_argument("--smoke", action="store_true",
+                   help="tiny CPU-friendly run: case 1x128x2x1x32, pallas_flash,cudnn,xla, "
+                        "1 iteration, no plot")
+    p.add_argument("--out", default=os.path.join("benchmarks", "results"),
+                   help="directory for the JSON and PNG (default benchmarks/results)")
+    plot = p.add_mutually_exclusive_group()
+    plot.add_argument("--plot", dest="plot", action="store_true", default=None,
+                      help="write the PNG (default unless --smoke; needs matplotlib)")
+    plot.add_argument("--no-plot", dest="plot", action="store_false")
+    p.add_argument("--seed", type=int, default=0)
+    rep = p.add_argument_group("report (runs nothing: turns results JSON into docs)")
+    rep.add_argument("--report", nargs="*", metavar="RESULTS.json", default=None,
+                     help="rewrite the bench-report blocks of DOCS/performance.md and README "
+                          "from these benchmark or --memory JSON files (none: from the files "
+                          "each block names), and the plots in DOCS")
+    rep.add_argument("--docs", default="docs", help="docs folder for --report (default docs)")
+    rep.add_argument("--readme", default="README.md",
+                     help="README for --report's headline block (default README.md)")
+    rep.add_argument("--check", action="store_true",
+                     help="with --report: write nothing, fail if a block is out of date")
+    p.add_argument("--_memory-child", nargs=2, metavar=("IMPL", "SEQ"),
+                   help=argparse.SUPPRESS)
+    return p
+
+
+def resolve_defaults(args) -> None:
+    """Fill unset options; --smoke changes the defaults, explicit flags win."""
+    smoke = args.smoke
+    defaults = {
+        "causal": "both",
+        "iters": 1 if smoke else 20,
+        "iters_bwd": 1 if smoke else 10,
+        "warmup": 2 if smoke else 3,
+        # Fewer rows than the sequence so the smoke run exercises row sampling.
+        "ref_rows": 64 if smoke else 256,
+        "plot": not smoke,
+    }
+    for name, value in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    args.warmup = max(args.warmup, 2)  # see timing.time_calls
+
+
+def parse_impls(text: str | None, parser) -> list[str] | None:
+    if text is None:
+        return None
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in IMPLS]
+    if unknown:
+        parser.error(f"unknown impls {unknown}; known: {sorted(IMPLS)}")
+    return names
+
+
+def select_cases(args, parser) -> list[cases.Case]:
+    if args.cases is None:
+        shapes = [cases.SMOKE_CASE] if args.smoke else list(cases.DEFAULT_CASES)
+    elif args.cases.strip().lower() == "none":
+        shapes = []
+    else:
+        try:
+            shapes = [cases.parse_case(c) for c in args.cases.split(",") if c.strip()]
+        except (argparse.ArgumentTypeError, ValueError) as e:
+            parser.error(str(e))
+    causals = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
+    return [cases.Case(*shape, causal=c) for shape in shapes for c in causals]
+
+
+def metadata(args, argv) -> dict:
+    dev = jax.devices()[0]
+    return {
+        "gpu": dev.device_kind,
+        "backend": jax.default_backend(),
+        "jax_version": jax.__version__,
+        "git_commit": report.git_commit(),
+        "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "argv": list(argv),
+        "dtype": args.dtype,
+        "iters_fwd": args.iters,
+        "iters_fwdbwd": args.iters_bwd,
+        "warmup": args.warmup,
+        "timer": args.timer,
+        "ref_rows": args.ref_rows,
+        "flops": "fwd = 4*B*Hq*Sq*Skv*D (/2 causal); bwd = 2.5*fwd; variants count "
+                 "kept (query, key) pairs instead of Sq*Skv(/2)",
+    }
+
+
+def main_report(args) -> dict:
+    result = report.run_report(args.report, docs=args.docs, readme=args.readme,
+                               check=args.check, plot=args.plot is not False)
+    for note in result["notes"]:
+        print(note)
+    for path in result["plots"]:
+        print(f"plot: {path}")
+    if args.check and result["changed"]:
+        raise SystemExit("out of date (run the report without --check): "
+                         + ", ".join(result["changed"]))
+    print(("out of date: " if args.check else "rewritten: ")
+          + (", ".join(result["changed"]) or "nothing"))
+    return result
+
+
+def run_memory_sweep(args, impls, meta, stamp) -> dict:
+    stem = report.claim_stem(args.out, "memory", stamp)
+
+    def save(sweep, complete):
+        return report.write_json({"meta": meta, "complete": complete, "memory": sweep},
+                                 args.out, stem)
+
+    sweep = memory.run_memory(args, impls, on_point=lambda m: save(m, False))
+    path = save(sweep, True)
+    png = os.path.join(args.out, f"{stem}.png")
+    if args.plot and plot_memory(sweep, png):
+        print(f"plot: {png}")
+    print(f"json: {path}\n")
+    print(report.summary_line(meta))
+    print(report.format_memory_table(sweep))
+    return {"meta": meta, "complete": True, "memory": sweep}
+
+
+def run_bench(args, parser, impls, explicit_impls, meta, stamp) -> dict:
+    key = jax.random.key(args.seed)
+    plan = [(c, impls, jax.random.fold_in(key, i))
+            for i, c in enumerate(select_cases(args, parser))]
+    if args.variants:
+        # XLA materialises S x S logits, hopeless at 32k: only if asked for.
+        v_impls = explicit_impls or ["pallas_flash", "cudnn"]
+        plan += [(c, v_impls, jax.random.fold_in(key, 1000 + i))
+                 for i, c in enumerate(cases.variant_cases())]
+
+    rows: list[dict] = []
+    result = {"meta": meta, "complete": False, "results": rows}
+    stem = report.claim_stem(args.out, "bench", stamp)
+    for case, case_impls, case_key in plan:
+        rows += run_case(case, case_impls, args, case_key)
+        # Rewritten after every case, so a run cut short keeps what it measured.
+        path = report.write_json(result, args.out, stem)
+    result["complete"] = True
+    path = report.write_json(result, args.out, stem)
+    png = os.path.join(args.out, f"{stem}.png")
+    if args.plot:
+        speed_rows = [r for r in rows if r["variant"] is None]
+        print(f"plot: {png}" if plot_speed(speed_rows, png)
+              else "plot: skipped (matplotlib not importable)")
+    print(f"json: {path}\n")
+    print(report.summary_line(meta))
+    print(report.format_table(rows))
+    return result
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """CLI entry point; returns the dict also written as JSON (or the report's summary)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+
+    if args._memory_child:
+        impl, seq = args._memory_child
+        result = memory.memory_child(impl, int(seq), args.dtype)
+        print(memory.CHILD_MARKER + json.dumps(result), flush=True)
+        return result
+    if args.report is not None:
+        return main_report(args)
+    if args.check:
+        parser.error("--check goes with --report")
+
+    resolve_defaults(args)
+    explicit_impls = parse_impls(args.impls, parser)
+    impls = explicit_impls or list(DEFAULT_IMPLS)
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
+    meta = metadata(args, argv)
+    print(f"device: {meta['gpu']} ({meta['backend']}), jax {meta['jax_version']}", flush=True)
+    if args.memory:
+        return run_memory_sweep(args, impls, meta, stamp)
+    return run_bench(args, parser, impls, explicit_impls, meta, stamp)
+
+
+if __name__ == "__main__":
+    main()

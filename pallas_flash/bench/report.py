@@ -1,0 +1,406 @@
+"""Results: the JSON files a run writes, its text tables, and the Markdown report.
+
+``python -m pallas_flash.bench --report RESULTS.json ...`` turns committed results into
+Markdown and rewrites only the marked blocks of the docs, so that no table is edited by hand::
+
+    <!-- bench-report:speed source=benchmarks/results/bench_h200_abc1234.json -->
+    ...generated...
+    <!-- /bench-report:speed -->
+
+Blocks: ``headline`` (a few shapes, pallas_flash against cuDNN, for README.md), ``speed``
+(every row of the benchmark JSONs) and ``memory`` (the memory sweep). The opening marker keeps
+the files it was generated from, so ``--report`` without files regenerates every block from
+the files it names.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+
+from pallas_flash.bench.cases import PLAIN, seq_label
+
+BLOCKS = ("headline", "speed", "memory")
+_BLOCK_RE = re.compile(r"<!-- bench-report:(?P<name>[a-z]+)(?P<attrs>[^>]*?)\s*-->\n?"
+                       r"(?P<body>.*?)<!-- /bench-report:(?P=name) -->", re.S)
+# (case, causal) rows of the headline table, when the results hold them.
+HEADLINE_CASES = (
+    ("2x8192x16x16x128", False),
+    ("2x8192x16x16x128", True),
+    ("1x16384x16x16x128", True),
+    ("2x8192x32x8x128", True),
+    ("2x8192x32x32x64", True),
+    ("2x8192x8x8x256", True),
+)
+_IMPL_ORDER = {"pallas_flash": 0, "pallas_flash_mosaic": 1, "pallas_flash_triton": 2,
+               PLAIN: 3, "cudnn": 4, "xla": 5}
+
+# --------------------------------------------------------------------------
+# JSON files
+# --------------------------------------------------------------------------
+
+
+def git_commit() -> str | None:
+    """HEAD of the checkout this module lives in, '+dirty' if modified."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root,
+                              capture_output=True, text=True, timeout=10)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                               cwd=root, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if head.returncode != 0:
+        return None
+    return head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
+
+
+def claim_stem(out_dir: str, prefix: str, stamp: str) -> str:
+    """A file stem `prefix_stamp` (then `-2`, `-3`, ...) that no other run in `out_dir` holds.
+
+    The file is created here, exclusively, so two runs started in the same second (one per GPU,
+    say) cannot both write `bench_<stamp>.json`, one overwriting the other."""
+    os.makedirs(out_dir, exist_ok=True)
+    for n in range(1, 1000):
+        stem = f"{prefix}_{stamp}" + (f"-{n}" if n > 1 else "")
+        try:
+            os.close(os.open(os.path.join(out_dir, stem + ".json"),
+                             os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            return stem
+        except FileExistsError:
+            continue
+    raise RuntimeError(f"no free {prefix}_{stamp}* name in {out_dir}")
+
+
+def write_json(obj: dict, out_dir: str, stem: str) -> str:
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, stem + ".json")
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=1)
+    return path
+
+
+def summary_line(meta: dict) -> str:
+    return (f"{meta['gpu']} ({meta['backend']}), jax {meta['jax_version']}, "
+            f"commit {meta['git_commit']}, {meta['date_utc']}, {meta['dtype']}")
+
+
+# --------------------------------------------------------------------------
+# Text tables (printed at the end of a run)
+# --------------------------------------------------------------------------
+
+def _fmt(x, spec=".1f", none="-") -> str:
+    return none if x is None else format(x, spec)
+
+
+def _tf(x) -> str:
+    """TFLOP/s: one decimal on a GPU, three significant digits for CPU smoke runs."""
+    return _fmt(x, ".1f" if x is None or x >= 10 else ".3g")
+
+
+def format_table(rows: list[dict]) -> str:
+    """Compact text table; variant rows also show speed vs our plain kernel."""
+    head = (f"{'case':<32} {'causal':<6} {'impl':<20} {'fwd ms':>8} {'TF/s':>6} "
+            f"{'bwd ms':>8} {'TF/s':>6} {'fwd xcuDNN':>10} {'bwd xcuDNN':>10} "
+            f"{'xplain f/b':>10} {'err/cuDNN':>9} {'err/ref':>9}")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        left = f"{r['case']:<32} {str(r['causal']):<6} {r['impl']:<20}"
+        if r["status"] in ("error", "n.a."):
+            label = "n.a." if r["status"] == "n.a." else "error"
+            lines.append(f"{left} {label}: {r['error']}")
+            continue
+        plain = ("-" if r.get("fwd_vs_plain") is None or r["impl"] == PLAIN else
+                 f"{_fmt(r['fwd_vs_plain'], '.2f')}/{_fmt(r.get('bwd_vs_plain'), '.2f')}")
+        line = (f"{left} {_fmt(r.get('fwd_ms'), '.3f'):>8} {_tf(r.get('fwd_tflops')):>6} "
+                f"{_fmt(r.get('bwd_ms'), '.3f'):>8} {_tf(r.get('bwd_tflops')):>6} "
+                f"{_fmt(r.get('fwd_vs_cudnn'), '.2f'):>10} {_fmt(r.get('bwd_vs_cudnn'), '.2f'):>10} "
+                f"{plain:>10} {_fmt(r.get('err_vs_cudnn'), '.1e'):>9} "
+                f"{_fmt(r.get('err_vs_ref'), '.1e'):>9}")
+        if r["status"] == "bwd error":
+            line += f"  bwd error: {r['error']}"
+        lines.append(line)
+    lines.append("x = speed ratio (cuDNN or plain time / this time; >1 is faster); "
+                 "err = ||out-x||/||x|| of the forward output")
+    return "\n".join(lines)
+
+
+def format_memory_table(memory: dict) -> str:
+    head = (f"{'impl':<20} {'seq':>6} {'status':<8} {'peak GiB':>9} {'floor GiB':>9} "
+            f"{'peak/floor':>10} {'step s':>8}")
+    lines = [head, "-" * len(head)]
+    gib = 1 << 30
+    for p in memory["points"]:
+        line = (f"{p['impl']:<20} {seq_label(p['seq']):>6} {p['status']:<8} "
+                f"{_fmt(p.get('peak_bytes') and p['peak_bytes'] / gib, '.2f'):>9} "
+                f"{p['floor_bytes'] / gib:>9.2f} {_fmt(p.get('peak_over_floor'), '.2f'):>10} "
+                f"{_fmt(p.get('step_s'), '.3f'):>8}")
+        if p.get("error"):
+            line += f"  {p['error']}"
+        lines.append(line)
+    for impl in dict.fromkeys(p["impl"] for p in memory["points"]):
+        seq = memory["longest_seq_ok"].get(impl)
+        lines.append(f"longest seq that fits: {impl}: {seq_label(seq) if seq else 'none'}")
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------
+# Markdown
+# --------------------------------------------------------------------------
+
+def _cell(text) -> str:
+    return str(text).replace("|", "\\|")
+
+
+def _table(header: list[str], rows: list[list]) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(_cell(c) for c in row) + " |" for row in rows]
+    return lines
+
+
+def _source_line(path: str, meta: dict, with_timer: bool) -> str:
+    commit = meta.get("git_commit") or "unknown"
+    text = (f"`{path}`: {meta.get('gpu')}, jax {meta.get('jax_version')}, "
+            f"{meta.get('dtype')}, commit `{commit}`")
+    if with_timer:
+        fwd, bwd = meta.get("iters_fwd"), meta.get("iters_fwdbwd")
+        if meta.get("timer") == "pipelined":
+            text += (f", pipelined timer (median of 3 batches of {fwd} forward / {bwd} "
+                     "backward calls)")
+        else:
+            text += f", per-call timer (median of {fwd} forward / {bwd} backward calls)"
+    return text + "."
+
+
+def _shape_label(r: dict) -> str:
+    heads = (f"{r['q_heads']} heads" if r["q_heads"] == r["kv_heads"]
+             else f"{r['q_heads']} q / {r['kv_heads']} kv heads")
+    return f"{r['batch']} × {r['seq']}, {heads}, d {r['head_dim']}"
+
+
+def _mask(r: dict) -> str:
+    return "causal" if r["causal"] else "full"
+
+
+def _grouped(rows: list[dict]) -> list[dict]:
+    """Rows grouped by (case, causal) in first-seen order, our rows before the baselines."""
+    groups = list(dict.fromkeys((r["case"], r["causal"]) for r in rows))
+    return sorted(rows, key=lambda r: (groups.index((r["case"], r["causal"])),
+                                       _IMPL_ORDER.get(r["impl"], 9), r["impl"]))
+
+
+def markdown_headline(sources: list[tuple[str, dict]]) -> str:
+    rows = [r for _, data in sources for r in data["results"]]
+    by_key = {(r["case"], r["causal"], r["impl"]): r for r in rows}
+    keys = [k for k in HEADLINE_CASES if (*k, "pallas_flash") in by_key]
+    if not keys:  # results of other shapes: every plain case
+        keys = list(dict.fromkeys((r["case"], r["causal"]) for r in rows if not r["variant"]))
+    table = []
+    for case, causal in keys:
+        ours = by_key.get((case, causal, "pallas_flash"), {})
+        base = by_key.get((case, causal, "cudnn"), {})
+        if not ours:
+            continue
+        cells = [_shape_label(ours), _mask(ours)]
+        for p in ("fwd", "bwd"):
+            cells += [f"{_fmt(ours.get(f'{p}_tflops'), '.0f')} / "
+                      f"{_fmt(base.get(f'{p}_tflops'), '.0f')}",
+                      _fmt(ours.get(f"{p}_vs_cudnn"), ".2f")]
+        table.append(cells)
+    metas = [data["meta"] for _, data in sources]
+    gpus = ", ".join(sorted({m.get("gpu") or "?" for m in metas}))
+    dtypes = ", ".join(sorted({m.get("dtype") or "?" for m in metas}))
+    lines = _table(["shape (batch × seq, heads, head_dim)", "mask",
+                    "forward TFLOP/s, ours / cuDNN", "× cuDNN",
+                    "backward TFLOP/s, ours / cuDNN", "× cuDNN"], table)
+    lines += ["", f"One {gpus}, {dtypes}; × cuDNN is cuDNN's time over ours (above 1: faster). "
+              "Every case, and how they are measured: "
+              "[docs/performance.md](docs/performance.md)."]
+    return "\n".join(lines) + "\n"
+
+
+def markdown_speed(sources: list[tuple[str, dict]]) -> str:
+    rows = _grouped([r for _, data in sources for r in data["results"]])
+    variants = any(r.get("fwd_vs_plain") for r in rows if r["impl"] != PLAIN)
+    header = ["case", "mask", "implementation", "forward ms", "forward TFLOP/s",
+              "backward ms", "backward TFLOP/s", "forward × cuDNN", "backward × cuDNN"]
+    header += ["× plain, fwd / bwd"] if variants else []
+    header += ["error vs f32"]
+    table = []
+    for r in rows:
+        cells = [r["case"].replace("x", " × "), _mask(r), r["impl"]]
+        if r["status"] in ("error", "n.a."):
+            cells += [f"{r['status']}: {r['error']}"] + ["–"] * (len(header) - 4)
+            table.append(cells)
+            continue
+        cells += [_fmt(r.get("fwd_ms"), ".3f", "–"), _fmt(r.get("fwd_tflops"), ".1f", "–"),
+                  _fmt(r.get("bwd_ms"), ".3f", "–"), _fmt(r.get("bwd_tflops"), ".1f", "–"),
+                  _fmt(r.get("fwd_vs_cudnn"), ".2f", "–"), _fmt(r.get("bwd_vs_cudnn"), ".2f", "–")]
+        if variants:
+            plain = r.get("fwd_vs_plain") if r["impl"] != PLAIN else None
+            cells.append("–" if plain is None else
+                         f"{plain:.2f} / {_fmt(r.get('bwd_vs_plain'), '.2f', '–')}")
+        cells.append(_fmt(r.get("err_vs_ref"), ".1e", "–"))
+        if r["status"] == "bwd error":
+            cells[5] = f"bwd error: {r['error']}"
+        table.append(cells)
+    lines = ["Source: " + _source_line(path, data["meta"], True) for path, data in sources]
+    lines += ["", "Case: batch × seq × q heads × kv heads × head_dim. × cuDNN: cuDNN's time "
+              "over this row's (above 1: faster). Error: ‖out − ref‖ / ‖ref‖ of the forward "
+              "output against a float32 reference on sampled query rows.", ""]
+    return "\n".join(lines + _table(header, table)) + "\n"
+
+
+def _memory_cell(p: dict | None) -> str:
+    if p is None or p["status"] == "skipped":
+        return "–"
+    if p["status"] == "ok" and p.get("peak_bytes"):
+        return f"{p['peak_bytes'] / 2**30:.2f} ({p['peak_over_floor']:.2f}×)"
+    error = p.get("error") or p["status"]
+    return "out of memory" if error.startswith("OOM") else error.split(":")[0]
+
+
+def markdown_memory(sources: list[tuple[str, dict]]) -> str:
+    lines = []
+    for path, data in sources:
+        memory = data["memory"]
+        points = memory["points"]
+        seqs = sorted({p["seq"] for p in points})
+        impls = list(dict.fromkeys(p["impl"] for p in points))
+        at = {(p["impl"], p["seq"]): p for p in points}
+        floor = {p["seq"]: p["floor_bytes"] for p in points}
+        shape = memory["shape"]
+        lines += [f"Source: {_source_line(path, data['meta'], False)}",
+                  "", f"Peak GiB of one forward+backward step (× the floor), batch "
+                  f"{shape['batch']}, {shape['q_heads']} heads, head_dim {shape['head_dim']}, "
+                  f"{'causal' if shape['causal'] else 'full'}, {shape['dtype']}; a fresh "
+                  "process per point. The floor is q, k, v, O, dO, dQ, dK and dV.", ""]
+        table = [["floor"] + [f"{floor[s] / 2**30:.2f}" for s in seqs] + ["–"]]
+        for impl in impls:
+            longest = memory["longest_seq_ok"].get(impl)
+            table.append([impl] + [_memory_cell(at.get((impl, s))) for s in seqs]
+                         + [seq_label(longest) if longest else "none"])
+        lines += _table(["implementation"] + [seq_label(s) for s in seqs]
+                        + ["longest that ran"], table)
+        steps = [f"{impl} {at[(impl, s)]['step_s']:.1f} s at {seq_label(s)}"
+                 for impl in impls for s in [memory["longest_seq_ok"].get(impl)]
+                 if s and at[(impl, s)].get("step_s")]
+        if steps:
+            lines += ["", "One step at the longest length that ran: " + ", ".join(steps) + "."]
+        lines.append("")
+    return "\n".join(lines).rstrip("\n") + "\n"
+
+
+_RENDER = {"headline": ("bench", markdown_headline), "speed": ("bench", markdown_speed),
+           "memory": ("memory", markdown_memory)}
+
+
+# --------------------------------------------------------------------------
+# Blocks in Markdown files
+# --------------------------------------------------------------------------
+
+def load_result(path: str) -> tuple[str, dict]:
+    """(kind, data) of a results JSON: 'bench' (rows) or 'memory' (a sweep)."""
+    with open(path) as f:
+        data = json.load(f)
+    if "results" in data:
+        return "bench", data
+    if "memory" in data:
+        return "memory", data
+    raise ValueError(f"{path}: neither benchmark rows nor a memory sweep")
+
+
+def _sources_of(attrs: str) -> list[str]:
+    m = re.search(r"source=(\S+)", attrs)
+    return m.group(1).split(",") if m else []
+
+
+def rewrite_blocks(text: str, sources: dict[str, list[str]], root: str,
+                   cache: dict | None = None) -> tuple[str, list[str]]:
+    """`text` with every bench-report block regenerated, and one message per block.
+
+    `sources` maps a kind ('bench', 'memory') to the results files to use; a kind it lacks
+    falls back on the files the block's own marker names."""
+    cache = {} if cache is None else cache
+    notes = []
+
+    def load(path):
+        if path not in cache:
+            kind, data = load_result(os.path.join(root, path))
+            cache[path] = (kind, data)
+        return cache[path]
+
+    def replace(m):
+        name = m.group("name")
+        if name not in _RENDER:
+            notes.append(f"unknown block {name!r}: left as it is")
+            return m.group(0)
+        kind, render = _RENDER[name]
+        paths = sources.get(kind) or _sources_of(m.group("attrs"))
+        if not paths:
+            notes.append(f"{name}: no {kind} results given or named: left as it is")
+            return m.group(0)
+        loaded = [(p, load(p)) for p in paths]
+        wrong = [p for p, (k, _) in loaded if k != kind]
+        if wrong:
+            raise ValueError(f"block {name} needs {kind} results, not {wrong}")
+        body = render([(p, data) for p, (_, data) in loaded])
+        notes.append(f"{name}: from {', '.join(paths)}")
+        return (f"<!-- bench-report:{name} source={','.join(paths)} -->\n{body}"
+                f"<!-- /bench-report:{name} -->")
+
+    return _BLOCK_RE.sub(replace, text), notes
+
+
+def run_report(files: list[str], docs: str = "docs", readme: str = "README.md",
+               check: bool = False, plot: bool = True, root: str = ".") -> dict:
+    """Regenerates the blocks of docs/performance.md and README.md (and, unless `check`, the
+    plots in `docs`). Returns {"changed": [...], "notes": [...], "plots": [...]}; with `check`
+    nothing is written and "changed" lists the files whose blocks are out of date."""
+    sources: dict[str, list[str]] = {}
+    cache: dict[str, tuple[str, dict]] = {}
+    for path in files:
+        rel = os.path.relpath(os.path.abspath(path), os.path.abspath(root))
+        rel = path if rel.startswith("..") else rel
+        kind, data = load_result(os.path.join(root, rel))
+        cache[rel] = (kind, data)
+        sources.setdefault(kind, []).append(rel)
+    changed, notes = [], []
+    for target in (os.path.join(docs, "performance.md"), readme):
+        full = os.path.join(root, target)
+        if not os.path.exists(full):
+            notes.append(f"{target}: not found, skipped")
+            continue
+        with open(full) as f:
+            text = f.read()
+        if not _BLOCK_RE.search(text):
+            notes.append(f"{target}: no bench-report block, skipped")
+            continue
+        new, block_notes = rewrite_blocks(text, sources, root, cache)
+        notes += [f"{target}: {n}" for n in block_notes]
+        if new != text:
+            changed.append(target)
+            if not check:
+                with open(full, "w") as f:
+                    f.write(new)
+    plots = []
+    if plot and not check:
+        plots = _write_plots(cache, os.path.join(root, docs))
+    return {"changed": changed, "notes": notes, "plots": plots}
+
+
+def _write_plots(cache: dict, docs_dir: str) -> list[str]:
+    from pallas_flash.bench.plots import plot_cases, plot_memory
+    written = []
+    bench_rows = [r for kind, data in cache.values() if kind == "bench"
+                  for r in data["results"] if not r["variant"]]
+    path = os.path.join(docs_dir, "performance_speed.png")
+    if bench_rows and plot_cases(bench_rows, path):
+        written.append(path)
+    sweeps = [data["memory"] for kind, data in cache.values() if kind == "memory"]
+    path = os.path.join(docs_dir, "performance_memory.png")
+    if sweeps and plot_memory({"points": [p for m in sweeps for p in m["points"]]}, path):
+        written.append(path)
+    return written
