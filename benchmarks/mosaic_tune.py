@@ -40,7 +40,7 @@ from benchmarks.check_log import timed  # noqa: E402
 from pallas_flash.masking import make_mask_spec  # noqa: E402
 from pallas_flash.mosaic import backward as mb  # noqa: E402
 from pallas_flash.mosaic import forward as mf  # noqa: E402
-from pallas_flash.mosaic.common import SMEM_LIMIT  # noqa: E402
+from pallas_flash.mosaic.config import SMEM_LIMIT  # noqa: E402
 from pallas_flash.spec import AttentionSpec  # noqa: E402
 from pallas_flash.triton import forward as tf  # noqa: E402
 

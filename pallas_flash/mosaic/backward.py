@@ -69,7 +69,6 @@ the sm_90 lowering test (`jax.jit(...).trace(...).lower(lowering_platforms=("cud
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 
@@ -81,12 +80,12 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_flash.masking import PAD_KEY_ID, PAD_QUERY_ID, segment_block_ranges
 from pallas_flash.mosaic import fused_backward
-from pallas_flash.mosaic.common import (SMEM_LIMIT, SMEM_RESERVED, clamp_range, grid_position,
+from pallas_flash.mosaic.common import (TileGrid, clamp_range, grid_position, launch_head_chunk,
                                        logit_units, narrowed, pad_seq, query_tile_position,
-                                       stream_through_slots, streamed_range, TileGrid,
-                                       launch_head_chunk,
-                                       unsupported_operands)
-from pallas_flash.mosaic.tiles import (WG_ROWS, accumulate, bcast_cols, bcast_rows, idiv, matmul,
+                                       stream_through_slots, streamed_range, unsupported_operands)
+from pallas_flash.mosaic.config import (SMEM_LIMIT, WG_ROWS, MosaicBackwardConfig,
+                                       default_backward_config)
+from pallas_flash.mosaic.tiles import (accumulate, bcast_cols, bcast_rows, idiv, matmul,
                                       positions, product, row_vector, transposed_probabilities,
                                       transposed_score_grads, transposed_weights, zeros_acc)
 from pallas_flash.spec import AttentionSpec
@@ -100,171 +99,6 @@ DQ_KERNEL_NAME = "pallas_flash_mosaic_bwd_dq"
 F16_CAST_LIMIT = 2.0 ** 14       # |dS| above this is scaled down before the float16 cast
 
 
-@dataclasses.dataclass(frozen=True)
-class MosaicBackwardConfig:
-    """Tiles of the two backward kernels.
-
-    dkdv_block_q: q rows per step of the dK/dV kernel (the N of S^T, the K of P^T dO).
-    dq_block_kv: key rows per step of the dQ kernel.
-    dkdv_stages / dq_stages: shared-memory slots of the streamed operands (>= 2).
-    dq_compute_wgs: compute warpgroups (64 q rows each) per dQ CTA, 1 or 2. The dK/dV kernel
-        always has 2 (two 64-row key tiles, or two column halves at head_dim 256).
-    compute_registers / copy_registers: per-thread register budgets after the split.
-    fused: run dK/dV and dQ in one kernel, dQ summed across key tiles in a fixed order
-        (fused_backward.py, 128 keys by 64 queries per step, whatever the two-kernel tiles
-        say), where that kernel serves the call (bfloat16, head_dim 64 / 128, no segment ids);
-        elsewhere the two kernels run, with the tiles above.
-    fused_stages: shared-memory slots of the fused kernel's Q / dO stream (>= 2).
-    fused_dq_slots: float32 dQ tiles in flight to the writer warpgroup in the fused kernel.
-    fused_profile_dir: a folder for Mosaic GPU traces of the fused kernel (one per call; see
-        common.profile_params), "" (the default) for none. A diagnostic: the trace
-        costs shared memory and a few cycles per scope.
-    dkdv_paired: at head_dim 256, where the dK/dV kernel's two compute warpgroups own the same
-        64 keys and split dK/dV's columns, divide the recomputation between them instead of
-        both doing all of it: one forms S^T and P^T, the other dP^T and dS^T, and they pass
-        P^T (float32) and dS^T through shared memory (`paired_dkdv`): 4 matmul units a step
-        instead of 6. Not with a softcap (dS^T would need t^T as well, which does not fit
-        shared memory); elsewhere it changes nothing. The head_dim 256 default. Interpret
-        mode runs it too since session 13: session 9 saw jax 0.11.2's GPU interpreter stall
-        on it (the second warpgroup never started), which did not recur in 13 runs of its
-        four test cases on the 2-core CPU machine, 6 of them two sessions at once and 2 with
-        NPROC=2 (NOTES.md, session 13); the stall matched the XLA CPU-pool starvation that
-        tests/conftest.py guards against since session 12.
-    fused_head_chunk: kv heads whose key tiles the fused kernel's launch order interleaves,
-        tile by tile (a divisor of the kv head count); None (the default) picks, at batch 1,
-        the largest of 4, 2, 1 that divides the kv heads, else 1 (`fused_backward.head_chunk`).
-        Why: the grid launches batch fastest, so at batch >= 2 consecutive CTAs belong to
-        different chains of ordered dQ adds, while at batch 1 they are consecutive links of
-        one chain and each waits on the one launched just before it. Timed at batch 1, 16
-        heads, kernel alone (NOTES.md run 59), TFLOP/s for chunks 1 / 2 / 4: 16k causal 446.6
-        / 455.5 / 462.7 (cuDNN 519.3), non-causal 514.1 / 517.5 / 522.9 (575.5); 8k causal
-        368.5 / 405.8 / 423.1 (471.6), non-causal 484.6 / 505.1 / 513.4 (564.2). At batch 2,
-        chunks of two or four heads were timed in run 25: +1.4% at 8k, -2% at 16k causal;
-        hence 1 there.
-    head_chunk: kv heads interleaved tile by tile in the two kernels' launch order
-        (`common.TileGrid`; the dQ kernel's sections hold those kv heads' q heads), a divisor
-        of the kv heads; None (the default): 1 without a causal bound, else FlashAttention-3's
-        L2 sections (`common.launch_head_chunk`, on the operands each kernel streams). Sessions
-        1-13 launched every head of a tile first, whose forward twin read a 36.5% L2 hit rate
-        (NOTES.md run 68); head_dim 256, 2 x 8k x 8 heads, kernels alone, TFLOP/s old order ->
-        one head: 382.0 -> 399.1 non-causal, 372.4 -> 378.2 causal (run 69). The fused
-        kernel has its own order (`fused_head_chunk`).
-    """
-
-    dkdv_block_q: int = 64
-    dq_block_kv: int = 128
-    dkdv_stages: int = 2
-    dq_stages: int = 2
-    dq_compute_wgs: int = 2
-    compute_registers: int = 232
-    copy_registers: int = 40
-    fused: bool = False
-    fused_stages: int = 2
-    fused_dq_slots: int = 1
-    fused_profile_dir: str = ""
-    dkdv_paired: bool = False
-    fused_head_chunk: int | None = None
-    head_chunk: int | None = None
-
-    def __post_init__(self):
-        for name in ("dkdv_block_q", "dq_block_kv"):
-            value = getattr(self, name)
-            if value % 64 or not 64 <= value <= 256:
-                raise ValueError(f"MosaicBackwardConfig.{name} must be 64, 128, 192 or 256, "
-                                 f"got {value}")
-        for name in ("dkdv_stages", "dq_stages", "fused_stages"):
-            if getattr(self, name) < 2:
-                raise ValueError(f"MosaicBackwardConfig.{name} must be >= 2, "
-                                 f"got {getattr(self, name)}")
-        if self.fused_dq_slots not in (1, 2):
-            raise ValueError("MosaicBackwardConfig.fused_dq_slots must be 1 or 2, "
-                             f"got {self.fused_dq_slots}")
-        if self.dq_compute_wgs not in (1, 2):
-            raise ValueError("MosaicBackwardConfig.dq_compute_wgs must be 1 or 2, "
-                             f"got {self.dq_compute_wgs}")
-        for name in ("fused_head_chunk", "head_chunk"):
-            chunk = getattr(self, name)
-            if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int)
-                                      or chunk < 1):
-                raise ValueError(f"MosaicBackwardConfig.{name} must be None or a positive "
-                                 f"int, got {chunk!r}")
-
-    # ---- geometry -------------------------------------------------------------------------
-
-    @staticmethod
-    def dkdv_col_splits(head_dim: int) -> int:
-        """Column slices of dK/dV per 64 key rows: 2 at head_dim 256 (register budget), else 1."""
-        return 2 if head_dim > 128 else 1
-
-    @staticmethod
-    def dkdv_compute_wgs() -> int:
-        return 2
-
-    def dkdv_block_kv(self, head_dim: int) -> int:
-        """Key rows per dK/dV CTA."""
-        return WG_ROWS * (self.dkdv_compute_wgs() // self.dkdv_col_splits(head_dim))
-
-    def dq_block_q(self) -> int:
-        """Query rows per dQ CTA."""
-        return WG_ROWS * self.dq_compute_wgs
-
-    # ---- shared memory (compiled path; interpret mode adds staging buffers) -----------------
-
-    def dkdv_smem_bytes(self, head_dim: int, itemsize: int = 2) -> int:
-        kv = 2 * self.dkdv_block_kv(head_dim) * head_dim * itemsize
-        stream = self.dkdv_stages * (2 * self.dkdv_block_q * head_dim * itemsize
-                                     + 3 * self.dkdv_block_q * 4)
-        # The paired exchange (upper bound: also counted where a softcap turns it off): P^T in
-        # float32, dS^T in the input dtype, the float16 row scales.
-        paired = (WG_ROWS * self.dkdv_block_q * (4 + itemsize) + WG_ROWS * 4
-                  if self.dkdv_paired and self.dkdv_col_splits(head_dim) > 1 else 0)
-        return kv + stream + paired + SMEM_RESERVED
-
-    def dkdv_pairs(self, spec: AttentionSpec, head_dim: int) -> bool:
-        """Whether the dK/dV kernel runs paired (`dkdv_paired`) for this call."""
-        return (self.dkdv_paired and self.dkdv_col_splits(head_dim) > 1
-                and spec.softcap is None)
-
-    def dq_smem_bytes(self, head_dim: int, itemsize: int = 2) -> int:
-        rows = self.dq_block_q()
-        own = 2 * rows * head_dim * itemsize + 3 * rows * 4
-        stream = self.dq_stages * 2 * self.dq_block_kv * head_dim * itemsize
-        return own + stream + SMEM_RESERVED
-
-
-def default_backward_config(head_dim: int) -> MosaicBackwardConfig:
-    """Tiles from the sweep of benchmarks/mosaic_tune.py on the H200 (NOTES.md, run 11; batch 2,
-    seq 8192, bf16, backward kernels alone), TFLOP/s non-causal / causal:
-      head_dim 64:  dK/dV block_q 128, dQ block_kv 64, 2 stages, 2 dQ warpgroups  327 / 331
-                    (block_q 64, block_kv 128: 309 / 300; one dQ warpgroup: 268 / 269)
-      head_dim 128: block_q 64, block_kv 64, 3 stages, 2 dQ warpgroups  432 / 427
-                    (2 stages: 427 / 426; dK/dV block_q 128: 306 / 317)
-      head_dim 256: block_q 64, block_kv 64, 2 stages, 1 dQ warpgroup  335 / 317 (two dQ
-                    warpgroups would need 256 KiB of shared memory); with the dK/dV kernel
-                    paired (`dkdv_paired`; compiled, no softcap), NOTES.md runs 41-42:
-                    329.2 -> 381.0 and 327.4 -> 380.6 / 315.9 -> 356.2 and 318.1 -> 352.8
-                    (cuDNN 363.1, 358.0 / 395.5, 393.0). The same pairing in the dQ kernel (two
-                    warpgroups on one 64-row q tile) ran 376.1 / 352.8 in run 42: not kept.
-    The fused kernel (fused_backward.py: one kernel, dQ summed across key tiles in a fixed
-    order) runs where it serves (bfloat16, no segment ids); the two-kernel tiles above serve
-    the rest (float16, segment ids, head_dim 256):
-      head_dim 128: 2 stages, 1 dQ slot (the only fit in shared memory): run 19, 503.6 / 443.1
-                    against the two kernels' 413.0 / 423.8 in the same run (cuDNN 542.2 /
-                    514.0).
-      head_dim 64:  4 stages, 2 dQ slots: run 26, 389.4 / 351.5 against the two kernels'
-                    329.4 / 332.7 (cuDNN 457.8 / 410.3); 3 stages, 2 slots 384.6 / 332.0;
-                    2 stages, 1 slot 370.4 / 293.0 (its writer waits on the compute).
-    """
-    if head_dim <= 64:
-        return MosaicBackwardConfig(dkdv_block_q=128, dq_block_kv=64, fused=True,
-                                    fused_stages=4, fused_dq_slots=2)
-    if head_dim <= 128:
-        return MosaicBackwardConfig(dkdv_block_q=64, dq_block_kv=64, dkdv_stages=3, dq_stages=3,
-                                    fused=True)
-    return MosaicBackwardConfig(dkdv_block_q=64, dq_block_kv=64, dq_compute_wgs=1,
-                                dkdv_paired=True)
-
-
 def unsupported_reason(spec: AttentionSpec, q, k, v,
                        config: MosaicBackwardConfig | None = None):
     """Why these kernels cannot take the call, or None if they can."""
@@ -276,9 +110,10 @@ def unsupported_reason(spec: AttentionSpec, q, k, v,
     # ids / padding lengths are served; what is left is dtype, head_dim and shared memory.
     cfg = config or default_backward_config(head_dim)
     if uses_fused(spec, q, k, cfg):
-        return fused_backward.check_smem(cfg, head_dim, SMEM_RESERVED)
-    for name, need in (("dK/dV", cfg.dkdv_smem_bytes(head_dim)),
-                       ("dQ", cfg.dq_smem_bytes(head_dim))):
+        kernels = (("fused", cfg.fused_smem_bytes(head_dim)),)
+    else:
+        kernels = (("dK/dV", cfg.dkdv_smem_bytes(head_dim)), ("dQ", cfg.dq_smem_bytes(head_dim)))
+    for name, need in kernels:
         if need > SMEM_LIMIT:
             return (f"mosaic backward: config {cfg} needs {need} bytes of shared memory in the "
                     f"{name} kernel at head_dim {head_dim} (limit {SMEM_LIMIT})")

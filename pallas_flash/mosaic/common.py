@@ -10,16 +10,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_flash.config import HOPPER_SHARED_MEMORY
 from pallas_flash.masking import with_segment_range
 from pallas_flash.spec import AttentionSpec
 from pallas_flash.stats import LOG2E
 
-SMEM_LIMIT = HOPPER_SHARED_MEMORY   # bytes of shared memory per CTA on an H100/H200
-# Shared memory a kernel takes beyond its operand tiles (barriers, alignment): Mosaic GPU asked
-# for 3160-3192 bytes more than the tiles on the H200 (forward at head_dim 128, block_kv 128 with
-# 3 stages and block_kv 192 with 2: 233592 and 233560 > 232448; NOTES.md, run 11).
-SMEM_RESERVED = 4096
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
 SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 

@@ -91,7 +91,6 @@ primitive is `mpmd_map` with params name == KERNEL_NAME, not `pallas_call`.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -101,236 +100,19 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_flash.masking import PAD_KEY_ID, PAD_QUERY_ID, segment_block_ranges
-from pallas_flash.mosaic.common import (CLUSTER_AXIS, SMEM_LIMIT, SMEM_RESERVED, TileGrid,
-                                       clamp_range, launch_head_chunk, logit_units, narrowed,
-                                       pad_seq, query_tile_position, profile_params,
-                                       unsupported_operands)
+from pallas_flash.mosaic.common import (CLUSTER_AXIS, TileGrid, clamp_range, launch_head_chunk,
+                                       logit_units, narrowed, pad_seq, query_tile_position,
+                                       profile_params, unsupported_operands)
+from pallas_flash.mosaic.config import (SMEM_LIMIT, MosaicForwardConfig, default_forward_config,
+                                       register_budget)
 from pallas_flash.spec import AttentionSpec
 from pallas_flash.stats import LOG2E, RowStats, logit_scale
 
 __all__ = ["KERNEL_NAME", "MosaicForwardConfig", "default_forward_config", "forward",
-           "unsupported_reason"]
+           "register_budget", "unsupported_reason"]
 
 KERNEL_NAME = "pallas_flash_mosaic_fwd"
 F16_MAX = 65504.0
-# Per-thread registers summed over a CTA's warpgroups (65536 registers / 128 threads).
-MAX_REGISTERS = 512
-
-
-def register_budget(warpgroups: int) -> int:
-    """The most that a CTA's warpgroups' setmaxnreg budgets may sum to, per thread.
-
-    A launch gives every thread the same count, a multiple of 8: 168 with three warpgroups
-    (512 / 3 rounded down), 128 with four. setmaxnreg only moves registers between the
-    CTA's warpgroups, so the budgets must fit in what the launch handed out: 504 with three
-    warpgroups, not 512. Past it, the last increase waits forever for registers that no
-    warpgroup frees: 240 / 240 / 32 hung the H200 (NOTES.md, session 13, run 64).
-    """
-    return warpgroups * (MAX_REGISTERS // warpgroups // 8 * 8)
-
-
-@dataclasses.dataclass(frozen=True)
-class MosaicForwardConfig:
-    """Tiles of the Mosaic forward kernel.
-
-    block_q: query rows per compute warpgroup (a CTA holds compute_wgs * block_q rows).
-    block_kv: key rows per step, a multiple of 16 in [64, 256]. Multiples of 64 keep Mosaic
-      GPU's own shared-memory layout; others narrow V's swizzle (`_v_transforms`).
-      FlashAttention-3's non-causal head_dim 128 tile, 176 keys (at 240 / 24 registers), ran
-      2-10% slower than 128 non-causal and 6-29% causal here, with 40-48 bytes of spills;
-      160 tied or lost (NOTES.md run 65).
-    stages: K/V shared-memory slots in flight (>= 2).
-    pingpong: offset the two compute warpgroups so softmax and wgmma overlap.
-    overlap: inside each warpgroup, issue S = Q K^T of block j together with the P V product of
-      block j - 1 and run the softmax of block j while P V is still on the tensor cores
-      (FlashAttention-3's intra-warpgroup pipelining). It holds a second P tile in registers.
-      Tried beside it and removed: the compute warpgroups taking turns to issue their wgmmas
-      (FlashAttention-3's warp scheduler barrier, an mbarrier cycle), 1-6% slower at head_dim
-      64, 128 and 256 (NOTES.md run 74).
-    compute_registers / copy_registers: per-thread register budgets after the split
-      (setmaxnreg: multiples of 8 in [24, 256]). compute_wgs * compute_registers +
-      copy_registers must fit what the launch gives the CTA: 504 per thread with two compute
-      warpgroups, 512 with three (`register_budget`).
-    compute_wgs: compute warpgroups per CTA, 2 (the default) or 3; one more warpgroup issues
-      the copies. Each K / V block streamed into shared memory serves compute_wgs * block_q
-      query rows, so 3 warpgroups (192 rows) read K and V a third fewer times per query row
-      and spread the copy warpgroup's and each block's fixed costs over more rows. Why:
-      FlashAttention-3 tiles head_dim 64 (16-bit) with 192 query rows, three consumer
-      warpgroups, and 128 (causal) / 192 (non-causal) keys (hopper/tile_size.h,
-      tile_size_fwd_sm90), while this kernel at head_dim 64 runs at 0.84-0.89x cuDNN with 128
-      rows. Predicted +5-10% non-causal at head_dim 64; measured +21% / +19% non-causal /
-      causal with block_kv 128 and overlap (NOTES.md run 59; the compiled head_dim 64
-      default, `default_forward_config`). At head_dim 128 (block_kv 64) it lost or tied (run
-      62). Registers bound it: 3 * compute + copy <= 512 (`register_budget`) leaves 160 / 32
-      per thread against 232 / 40 with 2 (block_kv 192 with overlap fell to about half:
-      spills, presumably).
-      Needs pingpong=False (its rendezvous barrier pairs exactly two warpgroups).
-    fused_exponent: form each weight's exponent as one multiply-add, u c - (m c), instead of
-      (u - m) c, a subtraction and a multiplication: one instruction less per score, as
-      FlashAttention-3 does. (u - m) is exact near the row maximum; the fused form carries the
-      rounding of m c, a relative error of about |m c| 2^-24 in each weight (6e-5 at logits
-      of 1e4 in base-2 units), far below a 16-bit operand's rounding; stats.py's m and r are
-      unchanged. The default (NOTES.md runs 64-65, kernel alone, TFLOP/s unfused -> fused,
-      cuDNN in the same process): head_dim 128, 2 x 8k x 16 heads, non-causal 633 -> 653 and
-      603 -> 622, causal 563 / 568 -> 576; 2 x 16k non-causal 586 / 609 -> 603, causal 607 /
-      604 -> 599 (the one loss, within the run's spread); head_dim 64 469 -> 500 / 458 -> 472;
-      head_dim 256 678 -> 694 / 649 -> 666.
-    head_chunk: heads interleaved tile by tile in the launch order (`common.TileGrid`), a
-      divisor of the q heads; None (the default): 1 without a causal bound (all tiles of one
-      head, then the next), with one FlashAttention-3's L2 sections (`launch_head_chunk`: as
-      many heads as share 32 MB of K / V, longest tiles first within them). Sessions 1-13
-      launched every head of a tile before the next tile (about head_chunk = q_heads): at 2 x
-      8k x 16 heads head_dim 128 its L2 hit rate was 36.5% (NOTES.md run 68). Kernel alone,
-      TFLOP/s old order -> one head (run 69): head_dim 128 8k 636 -> 658 / 661 non-causal, 589
-      -> 597 / 595 causal; 16k 628 -> 657 / 687 non-causal, 608 -> 673 / 676 causal; head_dim
-      64 506 -> 520 / 519 non-causal but causal 481 -> 458 / 467 and head_dim 256 causal 664
-      -> 654 / 641 (the last head's long tiles in the grid's tail: hence sections when causal).
-    profile_dir: a folder for Mosaic GPU traces of the kernel (one per call; see
-      common.profile_params), "" (the default) for none. A diagnostic.
-    cluster: CTAs per cluster along the query tiles, 1, 2 or 4. With n > 1, n CTAs of adjacent
-      tiles share each K / V block: each loads 1/n of it (block_kv / n rows) by TMA multicast
-      into all n, and a slot is refilled once the compute warpgroups of all n have released it
-      (cluster barriers); each streams the union of the n tiles' key ranges. Why: every CTA
-      reads its head's whole K and V from L2, and Nsight Compute put the forward's L2 throughput
-      at 70% (NOTES.md run 34; a third V slot, which would have hidden latency, did not help:
-      run 36). Why a slot's barrier cannot skip a phase: a block lands in a CTA only once all n
-      copy warpgroups have issued their slices, and each issues only after it waited for the
-      slot's previous phase. Compiled only: jax 0.11.2's GPU interpreter loads a multicast block
-      whole into each CTA, which breaks that interlock (one CTA can consume and release a block
-      before another's copy warpgroup waited for the phase before it), and it hung so with
-      ping-pong and the lagged P V; all cases passed compiled (run 38). Timed on the H200 (runs
-      38-39, kernel alone, 2 x seq x 16 heads, TFLOP/s cluster 1 -> 2, two runs): head_dim 128
-      non-causal 8k 608 -> 618 and 617 -> 629, 16k 558 -> 623 and 561 -> 599; causal 8k 594 ->
-      586 and 593 -> 582, 16k 630 -> 624 and 633 -> 620; head_dim 64 (block_kv 256) 412 -> 411 /
-      383 -> 400; head_dim 256 (block_kv 64) 711 -> 680 / 694 -> 633. So the default for
-      compiled head_dim 128 calls without a position mask or segment ids
-      (`default_forward_config` with a spec; the compiled suite passed with it, NOTES.md runs 43
-      and 56), under "auto" too since session 11 (its guard launches this kernel outside any
-      branch). Clusters of 4 are an opt-in (their compiled test,
-      test_cluster4_matches_reference_and_triton, passed on the H200: 17 cases): predicted
-      +2-5% over clusters of 2 at 16k non-causal head_dim 128, they lost 4% there and 7% at 8k
-      (NOTES.md run 59; not located: 4 CTAs that each fill an SM's shared memory must be
-      co-scheduled in one GPC, one guess).
-    """
-
-    block_q: int = 64
-    block_kv: int = 128
-    stages: int = 2
-    pingpong: bool = True
-    overlap: bool = False
-    compute_registers: int = 232
-    copy_registers: int = 40
-    profile_dir: str = ""
-    cluster: int = 1
-    compute_wgs: int = 2
-    fused_exponent: bool = True
-    head_chunk: int | None = None
-
-    def __post_init__(self):
-        if self.block_q != 64:
-            # One wgmma M tile per warpgroup; 128 would need two accumulators per warpgroup.
-            raise ValueError(f"MosaicForwardConfig.block_q must be 64, got {self.block_q}")
-        # A multiple of 16: the P V product's K (block_kv) in the 16-key groups of a 32-byte
-        # swizzle at the narrowest (_v_transforms); at most 256, a wgmma's largest N (Q K^T).
-        if self.block_kv % 16 or not 64 <= self.block_kv <= 256:
-            raise ValueError("MosaicForwardConfig.block_kv must be a multiple of 16 in "
-                             f"[64, 256], got {self.block_kv}")
-        if self.stages < 2:
-            raise ValueError(f"MosaicForwardConfig.stages must be >= 2, got {self.stages}")
-        # Each copy warpgroup multicasts block_kv / cluster rows of every K / V block, and
-        # Mosaic GPU splits a block only into whole 8-row tiles of its swizzled layout: 2
-        # splits every block_kv above (a multiple of 16), 4 only multiples of 32.
-        if self.cluster not in (1, 2, 4):
-            raise ValueError(
-                f"MosaicForwardConfig.cluster must be 1, 2 or 4, got {self.cluster}")
-        if (self.block_kv // self.cluster) % 8:
-            raise ValueError(
-                f"MosaicForwardConfig.cluster must be 1 or 2 at block_kv={self.block_kv} (each "
-                f"CTA's multicast slice, block_kv / cluster rows, must be whole 8-row tiles), "
-                f"got {self.cluster}")
-        chunk = self.head_chunk
-        if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int)
-                                  or chunk < 1):
-            raise ValueError("MosaicForwardConfig.head_chunk must be None or a positive int, "
-                             f"got {chunk!r}")
-        if self.cluster > 1 and chunk not in (None, 1):
-            raise ValueError("MosaicForwardConfig.head_chunk must be None or 1 with clusters "
-                             f"(a cluster's CTAs are adjacent tiles), got {chunk}")
-        if self.compute_wgs not in (2, 3):
-            raise ValueError(
-                f"MosaicForwardConfig.compute_wgs must be 2 or 3, got {self.compute_wgs}")
-        if self.compute_wgs != 2 and self.pingpong:
-            # The ping-pong rendezvous offsets one warpgroup against exactly one other.
-            raise ValueError("MosaicForwardConfig.compute_wgs must be 2 with pingpong=True, "
-                             f"got {self.compute_wgs}")
-        budget = register_budget(self.compute_wgs + 1)
-        if self.compute_wgs * self.compute_registers + self.copy_registers > budget:
-            # Past the launch's registers the last setmaxnreg increase never returns.
-            most = (budget - self.copy_registers) // self.compute_wgs // 8 * 8
-            raise ValueError(
-                f"MosaicForwardConfig.compute_registers must be at most {most} with "
-                f"compute_wgs={self.compute_wgs} and copy_registers={self.copy_registers} "
-                f"(compute_wgs * compute_registers + copy_registers <= {budget}), "
-                f"got {self.compute_registers}")
-
-    @property
-    def cta_rows(self) -> int:
-        """Query rows per CTA: block_q for each compute warpgroup."""
-        return self.compute_wgs * self.block_q
-
-    def smem_bytes(self, head_dim: int, itemsize: int = 2) -> int:
-        q = self.cta_rows * head_dim * itemsize
-        kv = 2 * self.stages * self.block_kv * head_dim * itemsize
-        stats = 2 * self.cta_rows * 4
-        return q + kv + stats + SMEM_RESERVED
-
-
-def default_forward_config(head_dim: int, spec: AttentionSpec | None = None
-                           ) -> MosaicForwardConfig:
-    """Tiles from the sweeps of benchmarks/mosaic_tune.py on the H200 (batch 2, seq 8192, bf16,
-    kernel alone, cuDNN in the same process; NOTES.md), TFLOP/s non-causal / causal:
-      head_dim 64:  block_kv 256, 2 stages, ping-pong  419 / 391 (x cuDNN 0.88 / 0.90; session 4:
-                    overlap 354 / 320 at block_kv 256 and 394 / 383 at 128, no ping-pong 418 / 380)
-      head_dim 128: block_kv 128, 2 stages, overlap    596 / 575 (0.91 / 1.01; session 4: the
-                    previous default, ping-pong without overlap, 541 / 572 in the same run; overlap
-                    with ping-pong 587 / 558; block_kv 64 543 / 528; 3 stages or block_kv 192
-                    exceed shared memory; session 8, run 36: V given a third slot apart from
-                    K's two, 588 / 584 against 604 / 575 at 8k, 532 / 618 against 547 / 609
-                    at 16k, not kept)
-      head_dim 256: block_kv 64, 2 stages, overlap     692 / 669 (0.98 / 1.14; ping-pong without
-                    overlap 640 / 607, overlap with ping-pong 642 / 621)
-    With `spec`, head_dim 128 calls without a position mask or segment ids, compiled, run in
-    clusters of two CTAs (`MosaicForwardConfig.cluster`; NOTES.md runs 38-39: non-causal
-    +1.6-1.8% at 8k, +6.7-11.7% at 16k; causal -1 to -2%, head_dim 256 -4 to -9%, head_dim 64
-    even). Clusters of four lost to two there (run 59: 16k 568.5 against 592.0, 8k 565.0
-    against 609.0; unclustered 543.5 / 594.9; cuDNN 650.0 / 643.1).
-    With `spec`, compiled head_dim 64 calls run three compute warpgroups (192 query rows per
-    CTA, `MosaicForwardConfig.compute_wgs`), block_kv 128, overlap, registers 160 / 32: run 59,
-    2 x 8192 x 32 heads, 484.6 / 462.4 TFLOP/s (x cuDNN 1.02 / 1.08) against the two-warpgroup
-    default above, 399.7 / 389.1 (0.84 / 0.91) in the same run; three warpgroups without
-    overlap 419.4 / 416.5, block_kv 192 453.6 / 351.3 (with overlap 243.3 / 214.6: spills).
-    Not in interpret mode: jax 0.11.2's interpreter runs each warpgroup on a thread of XLA's
-    CPU pool, one thread per core, and a waiting warpgroup holds its thread, so four
-    warpgroups hung on two cores (tests/conftest.py raises the pool for the suite).
-    """
-    if head_dim <= 64:
-        if spec is not None and not spec.interpret:
-            return MosaicForwardConfig(block_q=64, block_kv=128, stages=2, pingpong=False,
-                                       overlap=True, compute_wgs=3, compute_registers=160,
-                                       copy_registers=32)
-        return MosaicForwardConfig(block_q=64, block_kv=256, stages=2)
-    if head_dim <= 128:
-        return MosaicForwardConfig(block_q=64, block_kv=128, stages=2, pingpong=False,
-                                   overlap=True, cluster=2 if _clusters_pay(spec) else 1)
-    return MosaicForwardConfig(block_q=64, block_kv=64, stages=2, pingpong=False, overlap=True)
-
-
-def _clusters_pay(spec: AttentionSpec | None) -> bool:
-    """Whether a head_dim 128 call runs in clusters by default: compiled (the interpreter has
-    none), and every tile streams the same key blocks (no position mask, no segment ids), the
-    case where sharing them was timed to win."""
-    return (spec is not None and not spec.interpret and not spec.mask.has_position_mask
-            and not spec.has_segments)
 
 
 def unsupported_reason(spec: AttentionSpec, q, k, v, config: MosaicForwardConfig | None = None):

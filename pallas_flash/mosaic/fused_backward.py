@@ -78,25 +78,20 @@ from jax import custom_batching, lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_flash.mosaic.common import (SMEM_LIMIT, clamp_range, grid_position,
-                                       profile_params, stream_through_slots)
-from pallas_flash.mosaic.tiles import WG_ROWS, positions, product, transposed_weights, zeros_acc
+from pallas_flash.mosaic.common import (clamp_range, grid_position, profile_params,
+                                       stream_through_slots)
+from pallas_flash.mosaic.config import FUSED_BLOCK_Q as BLOCK_Q
+from pallas_flash.mosaic.config import FUSED_CTA_KEYS as CTA_KEYS
+from pallas_flash.mosaic.config import FUSED_DS_BUFFERS as DS_BUFFERS
+from pallas_flash.mosaic.config import WG_ROWS
+from pallas_flash.mosaic.tiles import positions, product, transposed_weights, zeros_acc
 from pallas_flash.spec import AttentionSpec
 from pallas_flash.stats import LOG2E, logit_scale
 
-__all__ = ["FUSED_KERNEL_NAME", "fused_backward", "head_chunk", "unsupported_reason",
-           "smem_bytes"]
+__all__ = ["FUSED_KERNEL_NAME", "fused_backward", "head_chunk", "unsupported_reason"]
 
 FUSED_KERNEL_NAME = "pallas_flash_mosaic_bwd_fused"
-CTA_KEYS = 2 * WG_ROWS      # key rows per CTA: one 64-row tile per compute warpgroup
-BLOCK_Q = WG_ROWS           # q rows per step (the dQ tile's rows)
 HEAD_DIMS = (64, 128)
-# The copy and writer warpgroups get what the two compute warpgroups leave of the 64K
-# registers: 512 threads x 128 = 2 x 128 x compute + 2 x 128 x side.
-REGISTER_POOL = 4 * 128
-# dS^T buffers, by step parity: a warpgroup may share step s + 1's half while the other still
-# reads step s's.
-DS_BUFFERS = 2
 
 
 def alternates(head_dim: int) -> bool:
@@ -114,15 +109,6 @@ def alternates(head_dim: int) -> bool:
     return head_dim < 128
 
 
-def smem_bytes(head_dim: int, stages: int, dq_slots: int, itemsize: int = 2) -> int:
-    """Shared memory of the fused kernel without Mosaic's own reserve."""
-    kv = 2 * CTA_KEYS * head_dim * itemsize
-    stream = stages * (2 * BLOCK_Q * head_dim * itemsize + 3 * BLOCK_Q * 4)
-    ds = DS_BUFFERS * CTA_KEYS * BLOCK_Q * itemsize
-    dq = dq_slots * BLOCK_Q * head_dim * 4
-    return kv + stream + ds + dq
-
-
 def unsupported_reason(spec: AttentionSpec, q, k, cfg) -> str | None:
     """Why the fused kernel cannot serve this call (the two-kernel path then does), or None."""
     head_dim = q.shape[-1]
@@ -134,11 +120,6 @@ def unsupported_reason(spec: AttentionSpec, q, k, cfg) -> str | None:
         return f"head_dim {head_dim} (the fused kernel takes {HEAD_DIMS})"
     del k
     return None
-
-
-def side_registers(compute_registers: int) -> int:
-    """Registers per thread of the copy and writer warpgroups, a multiple of 8."""
-    return (REGISTER_POOL - 2 * compute_registers) // 2 // 8 * 8
 
 
 def head_chunk(cfg, batch: int, kv_heads: int) -> int:
@@ -391,7 +372,7 @@ def _fused_body(q_ref, k_ref, v_ref, do_ref, st_ref, dk_ref, dv_ref, dq_ref,
 
     @pl.when(wg == 2)
     def _copy():
-        plgpu.set_max_registers(side_registers(cfg.compute_registers), action="decrease")
+        plgpu.set_max_registers(cfg.fused_side_registers(), action="decrease")
         for rt in range(2):
             rows = (batch, pl.ds(kv_start + rt * WG_ROWS, WG_ROWS), kv_head)
             plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[rt], k_loaded.at[rt])
@@ -410,7 +391,7 @@ def _fused_body(q_ref, k_ref, v_ref, do_ref, st_ref, dk_ref, dv_ref, dq_ref,
 
     @pl.when(wg == 3)
     def _write():
-        plgpu.set_max_registers(side_registers(cfg.compute_registers), action="decrease")
+        plgpu.set_max_registers(cfg.fused_side_registers(), action="decrease")
         sem = None
         if not spec.interpret:
             sem = pl.get_global(plgpu.SemaphoreType.REGULAR((dq_ref.shape[0] * q_heads
@@ -556,12 +537,4 @@ def _fused(q, k, v, do, rows, *, spec: AttentionSpec, cfg):
     if not seen.all():
         dq_sum = jnp.where(jnp.asarray(seen)[None, :, None, None], dq_sum, 0.0)
     return dq_sum.astype(dtype), dk, dv
-
-
-def check_smem(cfg, head_dim: int, reserved: int) -> str | None:
-    need = smem_bytes(head_dim, cfg.fused_stages, cfg.fused_dq_slots) + reserved
-    if need > SMEM_LIMIT:
-        return (f"mosaic backward: config {cfg} needs {need} bytes of shared memory in the "
-                f"fused kernel at head_dim {head_dim} (limit {SMEM_LIMIT})")
-    return None
 

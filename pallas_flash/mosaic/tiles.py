@@ -11,8 +11,6 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_flash.mosaic.common import logit_units
 
-WG_ROWS = 64                     # wgmma M tile: rows owned by one compute warpgroup
-
 
 def bcast_rows(x, shape):
     """A per-row vector (WGMMA.reduce(1) layout) broadcast along the columns."""

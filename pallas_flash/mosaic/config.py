@@ -1,0 +1,307 @@
+"""Tiles and hardware budgets of the Mosaic GPU kernels (Hopper, sm_90).
+
+One frozen, self-validating dataclass per kernel family, hashable so it can be a static
+argument: `MosaicForwardConfig` (forward.py) and `MosaicBackwardConfig` (backward.py and
+fused_backward.py). Each default says why in a line; the measurements behind them, and how to
+re-tune, are in docs/tuning.md. The budgets below are what a config is checked against before
+any launch, so a tile that cannot run fails in Python, also on a CPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from pallas_flash.config import HOPPER_SHARED_MEMORY
+from pallas_flash.spec import AttentionSpec
+
+__all__ = ["MosaicBackwardConfig", "MosaicForwardConfig", "default_backward_config",
+           "default_forward_config", "register_budget"]
+
+# ---- budgets --------------------------------------------------------------------------------
+
+SMEM_LIMIT = HOPPER_SHARED_MEMORY   # bytes of shared memory per CTA on an H100 / H200
+# What Mosaic GPU allocates beyond the operand tiles (barriers, alignment): about 3.2 KB.
+SMEM_RESERVED = 4096
+MAX_REGISTERS = 512                 # per thread, summed over a CTA's warpgroups (65536 / 128)
+WG_ROWS = 64                        # wgmma M tile: rows owned by one compute warpgroup
+
+# The fused backward's fixed tile: 128 keys per CTA (one 64-row tile per compute warpgroup),
+# 64 query rows per step (the rows of one dQ tile).
+FUSED_CTA_KEYS = 2 * WG_ROWS
+FUSED_BLOCK_Q = WG_ROWS
+FUSED_DS_BUFFERS = 2                # dS^T by step parity: one warpgroup may run a step ahead
+FUSED_REGISTER_POOL = 4 * 128       # 4 warpgroups x 128 registers per thread at launch
+
+
+def register_budget(warpgroups: int) -> int:
+    """The most that a CTA's setmaxnreg budgets may sum to, per thread.
+
+    A launch hands every thread the same multiple of 8 (168 with three warpgroups, 128 with
+    four) and setmaxnreg only moves registers between warpgroups; past this sum the last
+    increase waits forever for registers no warpgroup frees (the GPU hangs).
+    """
+    return warpgroups * (MAX_REGISTERS // warpgroups // 8 * 8)
+
+
+def _check_chunk(owner: str, chunk) -> None:
+    if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int)
+                              or chunk < 1):
+        raise ValueError(f"{owner} must be None or a positive int, got {chunk!r}")
+
+
+# ---- forward ----------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class MosaicForwardConfig:
+    """Tiles of the Mosaic forward kernel; the comment at each field says why its default.
+
+    A CTA holds compute_wgs * block_q query rows and one more warpgroup that only issues TMA
+    copies of K / V blocks of block_kv keys into `stages` shared-memory slots.
+    """
+
+    # One 64-row wgmma M tile per compute warpgroup; 128 would need two accumulators each.
+    block_q: int = 64
+    # Keys per step, a multiple of 16 in [64, 256]: the widest multiple of 64 whose two
+    # K / V slots fit shared memory at head_dim 128.
+    block_kv: int = 128
+    # K / V slots in flight: two hide a block's copy behind the previous block's compute; a
+    # third does not fit at head_dim 128, block_kv 128.
+    stages: int = 2
+    # Offset the two compute warpgroups by half a step so one's softmax overlaps the other's
+    # wgmmas: the faster schedule without `overlap`.
+    pingpong: bool = True
+    # Lag P V by one block so the softmax of block j runs while P_{j-1} V_{j-1} is on the
+    # tensor cores (FlashAttention-3's intra-warpgroup pipelining); costs a second P tile of
+    # registers. On by default at head_dim 128 / 256 and with three compute warpgroups.
+    overlap: bool = False
+    # setmaxnreg budgets: the copy warpgroup keeps what TMA issue needs, the compute
+    # warpgroups take the rest of register_budget(compute_wgs + 1) (2 x 232 + 40 = 504).
+    compute_registers: int = 232
+    copy_registers: int = 40
+    # A folder for Mosaic GPU traces of each call (common.profile_params); "" for none.
+    profile_dir: str = ""
+    # CTAs per cluster along the query tiles (1, 2, 4): n CTAs share each K / V block by TMA
+    # multicast, cutting L2 reads n-fold; it pays only when adjacent tiles stream the same
+    # keys (no position mask), so 1 unless default_forward_config picks 2.
+    cluster: int = 1
+    # Compute warpgroups per CTA (2 or 3). Three (192 rows) read each K / V block for a third
+    # more rows; registers allow it only at head_dim 64.
+    compute_wgs: int = 2
+    # Form each exponent as one multiply-add, u c - (m c), instead of (u - m) c: one
+    # instruction less per score, at a relative error of |m c| 2^-24 per weight, far below the
+    # 16-bit operands' rounding (stats.py's m and r are unchanged).
+    fused_exponent: bool = True
+    # Heads interleaved tile by tile in the launch order (a divisor of the q heads; schedule.py);
+    # None: one head at a time, or FlashAttention-3's L2 sections under a causal bound.
+    head_chunk: int | None = None
+
+    def __post_init__(self):
+        if self.block_q != 64:
+            raise ValueError(f"MosaicForwardConfig.block_q must be 64, got {self.block_q}")
+        # 16: the P V product's K in a 32-byte swizzle at the narrowest (forward._v_transforms);
+        # 256: a wgmma's largest N (Q K^T).
+        if self.block_kv % 16 or not 64 <= self.block_kv <= 256:
+            raise ValueError("MosaicForwardConfig.block_kv must be a multiple of 16 in "
+                             f"[64, 256], got {self.block_kv}")
+        if self.stages < 2:
+            raise ValueError(f"MosaicForwardConfig.stages must be >= 2, got {self.stages}")
+        # Mosaic GPU splits a multicast block only into whole 8-row tiles of its layout.
+        if self.cluster not in (1, 2, 4):
+            raise ValueError(
+                f"MosaicForwardConfig.cluster must be 1, 2 or 4, got {self.cluster}")
+        if (self.block_kv // self.cluster) % 8:
+            raise ValueError(
+                f"MosaicForwardConfig.cluster must be 1 or 2 at block_kv={self.block_kv} (each "
+                f"CTA's multicast slice, block_kv / cluster rows, must be whole 8-row tiles), "
+                f"got {self.cluster}")
+        _check_chunk("MosaicForwardConfig.head_chunk", self.head_chunk)
+        if self.cluster > 1 and self.head_chunk not in (None, 1):
+            raise ValueError("MosaicForwardConfig.head_chunk must be None or 1 with clusters "
+                             f"(a cluster's CTAs are adjacent tiles), got {self.head_chunk}")
+        if self.compute_wgs not in (2, 3):
+            raise ValueError(
+                f"MosaicForwardConfig.compute_wgs must be 2 or 3, got {self.compute_wgs}")
+        if self.compute_wgs != 2 and self.pingpong:
+            # The ping-pong rendezvous offsets one warpgroup against exactly one other.
+            raise ValueError("MosaicForwardConfig.compute_wgs must be 2 with pingpong=True, "
+                             f"got {self.compute_wgs}")
+        budget = register_budget(self.compute_wgs + 1)
+        if self.compute_wgs * self.compute_registers + self.copy_registers > budget:
+            most = (budget - self.copy_registers) // self.compute_wgs // 8 * 8
+            raise ValueError(
+                f"MosaicForwardConfig.compute_registers must be at most {most} with "
+                f"compute_wgs={self.compute_wgs} and copy_registers={self.copy_registers} "
+                f"(compute_wgs * compute_registers + copy_registers <= {budget}), "
+                f"got {self.compute_registers}")
+
+    @property
+    def cta_rows(self) -> int:
+        """Query rows per CTA: block_q for each compute warpgroup."""
+        return self.compute_wgs * self.block_q
+
+    def smem_bytes(self, head_dim: int, itemsize: int = 2) -> int:
+        q = self.cta_rows * head_dim * itemsize
+        kv = 2 * self.stages * self.block_kv * head_dim * itemsize
+        stats = 2 * self.cta_rows * 4
+        return q + kv + stats + SMEM_RESERVED
+
+
+def default_forward_config(head_dim: int, spec: AttentionSpec | None = None
+                           ) -> MosaicForwardConfig:
+    """The forward's tiles for `head_dim` (and, given `spec`, for the call: compiled-only
+    choices need it). docs/tuning.md has the sweeps behind each branch."""
+    if head_dim <= 64:
+        if spec is not None and not spec.interpret:
+            # Three compute warpgroups, 192 rows a CTA: FlashAttention-3's head_dim 64 tile.
+            # Not interpreted: the interpreter needs a CPU-pool thread per waiting warpgroup.
+            return MosaicForwardConfig(block_q=64, block_kv=128, stages=2, pingpong=False,
+                                       overlap=True, compute_wgs=3, compute_registers=160,
+                                       copy_registers=32)
+        # Small tiles compute little per step: ping-pong hides the softmax better than overlap.
+        return MosaicForwardConfig(block_q=64, block_kv=256, stages=2)
+    if head_dim <= 128:
+        # The largest two-slot block that fits, with the softmax overlapping P V.
+        return MosaicForwardConfig(block_q=64, block_kv=128, stages=2, pingpong=False,
+                                   overlap=True, cluster=2 if _clusters_pay(spec) else 1)
+    # head_dim 256: 64 keys keep two K / V slots in shared memory.
+    return MosaicForwardConfig(block_q=64, block_kv=64, stages=2, pingpong=False, overlap=True)
+
+
+def _clusters_pay(spec: AttentionSpec | None) -> bool:
+    """Whether a head_dim 128 call runs in clusters of two: compiled (the interpreter has no
+    multicast) and every tile streams the same key blocks (no position mask, no segment ids)."""
+    return (spec is not None and not spec.interpret and not spec.mask.has_position_mask
+            and not spec.has_segments)
+
+
+# ---- backward -------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class MosaicBackwardConfig:
+    """Tiles of the Mosaic backward: the two-kernel path (dK/dV, then dQ) and the fused
+    kernel (fused_backward.py, fixed 128-key x 64-query tile); the comment at each field says
+    why its default."""
+
+    # Queries per dK/dV step (the N of S^T = K Q^T): 64 is the faster at head_dim 128 and 256.
+    dkdv_block_q: int = 64
+    # Keys per dQ step (64, 128, 192, 256); default_backward_config picks the faster 64.
+    dq_block_kv: int = 128
+    # Slots of the streamed operands: two overlap one copy with one step.
+    dkdv_stages: int = 2
+    dq_stages: int = 2
+    # Compute warpgroups per dQ CTA (64 q rows each), 1 or 2: two share each K / V block.
+    dq_compute_wgs: int = 2
+    # setmaxnreg budgets, as in the forward: 2 x 232 + 40 = 504 = register_budget(3).
+    compute_registers: int = 232
+    copy_registers: int = 40
+    # One kernel, dQ summed across key tiles in a fixed order: 5 matmul units a step instead of
+    # the two kernels' 7. Where it serves (bfloat16, head_dim 64 / 128, no segment ids).
+    fused: bool = False
+    # Slots of the fused kernel's Q / dO / statistics stream.
+    fused_stages: int = 2
+    # float32 dQ tiles in flight to the fused kernel's writer warpgroup (1 or 2).
+    fused_dq_slots: int = 1
+    # A folder for Mosaic GPU traces of the fused kernel (common.profile_params); "" for none.
+    fused_profile_dir: str = ""
+    # At head_dim 256 the dK/dV kernel's two warpgroups own the same 64 keys (split columns):
+    # divide the recomputation (one forms P^T, the other dP^T and dS^T, exchanged through
+    # shared memory), 4 matmul units a step instead of 6. Not with a softcap.
+    dkdv_paired: bool = False
+    # kv heads whose key tiles the fused kernel interleaves in its launch order (schedule.py);
+    # None: four at batch 1 (consecutive CTAs then alternate between chains of dQ adds), else 1.
+    fused_head_chunk: int | None = None
+    # kv heads interleaved tile by tile in the two kernels' launch order (schedule.py); None:
+    # one head at a time, or FlashAttention-3's L2 sections under a causal bound.
+    head_chunk: int | None = None
+
+    def __post_init__(self):
+        for name in ("dkdv_block_q", "dq_block_kv"):
+            value = getattr(self, name)
+            if value % 64 or not 64 <= value <= 256:
+                raise ValueError(f"MosaicBackwardConfig.{name} must be 64, 128, 192 or 256, "
+                                 f"got {value}")
+        for name in ("dkdv_stages", "dq_stages", "fused_stages"):
+            if getattr(self, name) < 2:
+                raise ValueError(f"MosaicBackwardConfig.{name} must be >= 2, "
+                                 f"got {getattr(self, name)}")
+        if self.fused_dq_slots not in (1, 2):
+            raise ValueError("MosaicBackwardConfig.fused_dq_slots must be 1 or 2, "
+                             f"got {self.fused_dq_slots}")
+        if self.dq_compute_wgs not in (1, 2):
+            raise ValueError("MosaicBackwardConfig.dq_compute_wgs must be 1 or 2, "
+                             f"got {self.dq_compute_wgs}")
+        for name in ("fused_head_chunk", "head_chunk"):
+            _check_chunk(f"MosaicBackwardConfig.{name}", getattr(self, name))
+
+    # ---- geometry ---------------------------------------------------------------------------
+
+    @staticmethod
+    def dkdv_col_splits(head_dim: int) -> int:
+        """Column slices of dK/dV per 64 key rows: 2 at head_dim 256 (two 64 x 256 float32
+        accumulators exceed a warpgroup's registers), else 1."""
+        return 2 if head_dim > 128 else 1
+
+    @staticmethod
+    def dkdv_compute_wgs() -> int:
+        return 2
+
+    def dkdv_block_kv(self, head_dim: int) -> int:
+        """Key rows per dK/dV CTA."""
+        return WG_ROWS * (self.dkdv_compute_wgs() // self.dkdv_col_splits(head_dim))
+
+    def dq_block_q(self) -> int:
+        """Query rows per dQ CTA."""
+        return WG_ROWS * self.dq_compute_wgs
+
+    def dkdv_pairs(self, spec: AttentionSpec, head_dim: int) -> bool:
+        """Whether the dK/dV kernel runs paired (`dkdv_paired`) for this call."""
+        return (self.dkdv_paired and self.dkdv_col_splits(head_dim) > 1
+                and spec.softcap is None)
+
+    # ---- budgets (compiled path; interpret mode adds staging buffers) ------------------------
+
+    def dkdv_smem_bytes(self, head_dim: int, itemsize: int = 2) -> int:
+        kv = 2 * self.dkdv_block_kv(head_dim) * head_dim * itemsize
+        stream = self.dkdv_stages * (2 * self.dkdv_block_q * head_dim * itemsize
+                                     + 3 * self.dkdv_block_q * 4)
+        # The paired exchange (counted even where a softcap turns it off): P^T in float32,
+        # dS^T in the input dtype, the float16 row scales.
+        paired = (WG_ROWS * self.dkdv_block_q * (4 + itemsize) + WG_ROWS * 4
+                  if self.dkdv_paired and self.dkdv_col_splits(head_dim) > 1 else 0)
+        return kv + stream + paired + SMEM_RESERVED
+
+    def dq_smem_bytes(self, head_dim: int, itemsize: int = 2) -> int:
+        rows = self.dq_block_q()
+        own = 2 * rows * head_dim * itemsize + 3 * rows * 4
+        stream = self.dq_stages * 2 * self.dq_block_kv * head_dim * itemsize
+        return own + stream + SMEM_RESERVED
+
+    def fused_smem_bytes(self, head_dim: int, itemsize: int = 2) -> int:
+        kv = 2 * FUSED_CTA_KEYS * head_dim * itemsize
+        stream = self.fused_stages * (2 * FUSED_BLOCK_Q * head_dim * itemsize
+                                      + 3 * FUSED_BLOCK_Q * 4)
+        ds = FUSED_DS_BUFFERS * FUSED_CTA_KEYS * FUSED_BLOCK_Q * itemsize
+        dq = self.fused_dq_slots * FUSED_BLOCK_Q * head_dim * 4
+        return kv + stream + ds + dq + SMEM_RESERVED
+
+    def fused_side_registers(self) -> int:
+        """Registers per thread of the fused kernel's copy and writer warpgroups: what the two
+        compute warpgroups leave of the pool, a multiple of 8."""
+        return (FUSED_REGISTER_POOL - 2 * self.compute_registers) // 2 // 8 * 8
+
+
+def default_backward_config(head_dim: int) -> MosaicBackwardConfig:
+    """The backward's tiles for `head_dim`. docs/tuning.md has the sweeps behind each."""
+    if head_dim <= 64:
+        # Fused: four stream slots and two dQ slots keep the writer from waiting on compute.
+        # The two-kernel tiles (float16, segment ids): 128 queries per dK/dV step.
+        return MosaicBackwardConfig(dkdv_block_q=128, dq_block_kv=64, fused=True,
+                                    fused_stages=4, fused_dq_slots=2)
+    if head_dim <= 128:
+        # Fused: two stages and one dQ slot are all that fit. Two-kernel: 64 x 64, 3 stages.
+        return MosaicBackwardConfig(dkdv_block_q=64, dq_block_kv=64, dkdv_stages=3, dq_stages=3,
+                                    fused=True)
+    # head_dim 256 (the fused kernel does not fit): one dQ warpgroup (two would need 256 KiB
+    # of shared memory), and the dK/dV kernel paired.
+    return MosaicBackwardConfig(dkdv_block_q=64, dq_block_kv=64, dq_compute_wgs=1,
+                                dkdv_paired=True)
