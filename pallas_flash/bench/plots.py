@@ -62,12 +62,13 @@ def plot_cases(rows: list[dict], path: str, title: str = "") -> bool:
     plt = _pyplot()
     if plt is None:
         return False
-    order = {"pallas_flash": 0, "cudnn": 1}
-    impls = sorted({r["impl"] for r in rows}, key=lambda n: (order.get(n, 2), n))
+    # Ours first, then the baselines.
+    impls = sorted({r["impl"] for r in rows},
+                   key=lambda n: (not n.startswith("pallas_flash"), n != "pallas_flash", n))
     cases = list(dict.fromkeys((r["case"], r["causal"]) for r in rows))
     by_key = {(r["case"], r["causal"], r["impl"]): r for r in rows}
     height = 0.8 / max(len(impls), 1)
-    fig, axes = plt.subplots(1, 2, figsize=(12, 0.55 * len(cases) + 1.8), sharey=True,
+    fig, axes = plt.subplots(1, 2, figsize=(12, 0.55 * len(cases) + 2.2), sharey=True,
                              squeeze=False)
     for ax, (pass_, label) in zip(axes[0], (("fwd", "forward"), ("bwd", "backward"))):
         for ii, impl in enumerate(impls):
@@ -85,10 +86,11 @@ def plot_cases(rows: list[dict], path: str, title: str = "") -> bool:
     axes[0][0].set_yticklabels([f"{case} {'causal' if causal else 'full'}"
                                 for case, causal in cases], fontsize=8)
     axes[0][0].invert_yaxis()
-    axes[0][1].legend(loc="lower right", fontsize=8)
+    fig.legend(*axes[0][0].get_legend_handles_labels(), loc="lower center", ncol=len(impls),
+               fontsize=9)
     if title:
         fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return True

@@ -219,3 +219,14 @@ def test_timer_calls_and_times(pipelined):
     assert len(times) == (3 if pipelined else 4) and all(t > 0 for t in times)
     assert len(calls) == 2 + (3 * 4 if pipelined else 4)
     assert float(out[0]) == len(calls)
+
+
+def test_smoke_renders_as_markdown(smoke):
+    """A run's own JSON goes through the report: one table row per result row, the failing
+    cuDNN rows with their error; the headline falls back to the cases the run has."""
+    result, _ = smoke
+    speed = report.markdown_speed([("bench.json", result)])
+    table = [line for line in speed.splitlines() if line.startswith("| 1 × 128 × 2 × 1 × 32 |")]
+    assert len(table) == len(result["results"])
+    headline = report.markdown_headline([("bench.json", result)])
+    assert headline.count("| 1 × 128, 2 q / 1 kv heads, d 32 |") == 2  # both masks

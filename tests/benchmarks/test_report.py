@@ -1,0 +1,159 @@
+"""The Markdown report (``python -m pallas_flash.bench --report``): the committed tables are the
+ones the committed results files give, and the block rewriting touches nothing else."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+
+import pytest
+
+from pallas_flash.bench import report
+from pallas_flash.bench.__main__ import main
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TARGETS = ("docs/performance.md", "README.md")
+
+
+def _blocks(text):
+    return {m.group("name"): m.group("attrs") for m in report._BLOCK_RE.finditer(text)}
+
+
+def test_committed_tables_are_generated_from_committed_results():
+    """Regenerating every block from the files its marker names changes nothing, so no table
+    can drift from its JSON (run the report, never edit a table by hand)."""
+    with open(os.path.join(ROOT, "docs/performance.md"), encoding="utf-8") as f:
+        blocks = _blocks(f.read())
+    assert {"speed", "memory"} <= set(blocks), blocks
+    for target in TARGETS:
+        with open(os.path.join(ROOT, target), encoding="utf-8") as f:
+            for name, attrs in _blocks(f.read()).items():
+                sources = report._sources_of(attrs)
+                assert sources, f"{target}: block {name} names no results file"
+                for path in sources:
+                    assert os.path.isfile(os.path.join(ROOT, path)), f"{target}: {path}"
+    result = report.run_report([], check=True, plot=False, root=ROOT)
+    assert result["changed"] == [], (
+        "out of date; run python -m pallas_flash.bench --report:\n" + "\n".join(result["notes"]))
+
+
+def _row(case, causal, impl, fwd_ms, bwd_ms, **extra):
+    b, s, hq, hkv, d = (int(x) for x in case.split("x"))
+    flops = 4.0 * b * hq * s * s * d / (2 if causal else 1)
+    return {"case": case, "variant": None, "batch": b, "seq": s, "q_heads": hq,
+            "kv_heads": hkv, "head_dim": d, "causal": causal, "impl": impl, "status": "ok",
+            "error": None, "fwd_ms": fwd_ms, "bwd_ms": bwd_ms,
+            "fwd_tflops": flops / fwd_ms / 1e9, "bwd_tflops": 2.5 * flops / bwd_ms / 1e9,
+            "err_vs_ref": 2.1e-3, **extra}
+
+
+META = {"gpu": "NVIDIA H200", "backend": "gpu", "jax_version": "0.11.2", "git_commit": "abc1234",
+        "dtype": "bf16", "timer": "pipelined", "iters_fwd": 20, "iters_fwdbwd": 10}
+
+
+@pytest.fixture
+def tree(tmp_path):
+    """A repository-like folder: results, docs/performance.md with blocks, a README."""
+    rows = [_row("2x8192x16x16x128", False, "cudnn", 1.8, 5.3),
+            _row("2x8192x16x16x128", False, "pallas_flash", 1.7, 5.6,
+                 fwd_vs_cudnn=1.8 / 1.7, bwd_vs_cudnn=5.3 / 5.6),
+            {**_row("2x8192x8x8x256", True, "cudnn", 1.0, 1.0), "status": "error",
+             "error": "OOM: a | b"}]
+    sweep = {"shape": {"batch": 1, "q_heads": 16, "kv_heads": 16, "head_dim": 128,
+                       "causal": True, "dtype": "bf16"},
+             "longest_seq_ok": {"pallas_flash": 65536},
+             "points": [
+                 {"impl": "pallas_flash", "seq": 32768, "status": "ok", "peak_bytes": 5 << 28,
+                  "floor_bytes": 1 << 30, "peak_over_floor": 1.25, "step_s": 0.1},
+                 {"impl": "pallas_flash", "seq": 65536, "status": "ok", "peak_bytes": 5 << 29,
+                  "floor_bytes": 2 << 30, "peak_over_floor": 1.25, "step_s": 0.4},
+                 {"impl": "xla", "seq": 32768, "status": "error", "floor_bytes": 1 << 30,
+                  "error": "OOM: RESOURCE_EXHAUSTED: out of memory"},
+                 {"impl": "xla", "seq": 65536, "status": "skipped", "floor_bytes": 2 << 30,
+                  "error": "failed at 32k"}]}
+    results = tmp_path / "benchmarks" / "results"
+    results.mkdir(parents=True)
+    (results / "bench_h200_abc1234.json").write_text(
+        json.dumps({"meta": META, "complete": True, "results": rows}))
+    (results / "memory_h200_abc1234.json").write_text(
+        json.dumps({"meta": META, "complete": True, "memory": sweep}))
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "performance.md").write_text(
+        "# Title\n\nkept\n<!-- bench-report:speed -->\nold table\n<!-- /bench-report:speed -->\n"
+        "between\n<!-- bench-report:memory -->\n<!-- /bench-report:memory -->\nend\n")
+    (tmp_path / "README.md").write_text(
+        "intro\n<!-- bench-report:headline -->\n<!-- /bench-report:headline -->\noutro\n")
+    return tmp_path
+
+
+FILES = ["benchmarks/results/bench_h200_abc1234.json",
+         "benchmarks/results/memory_h200_abc1234.json"]
+
+
+def test_report_rewrites_only_the_blocks(tree):
+    result = report.run_report(FILES, plot=False, root=str(tree))
+    assert result["changed"] == ["docs/performance.md", "README.md"]
+    perf = (tree / "docs" / "performance.md").read_text()
+    outside = re.sub(r"<!-- bench-report:.*?<!-- /bench-report:\w+ -->", "#", perf, flags=re.S)
+    assert outside == "# Title\n\nkept\n#\nbetween\n#\nend\n"
+    assert "old table" not in perf
+    assert ("<!-- bench-report:speed source=benchmarks/results/bench_h200_abc1234.json -->"
+            in perf)
+    # Our row before the baseline; ratios and TFLOP/s as computed; an error row escaped.
+    speed = perf[perf.index("| case |"):]
+    assert speed.index("| pallas_flash |") < speed.index("| cudnn | 1.800")
+    assert "| 2 × 8192 × 16 × 16 × 128 | full | pallas_flash | 1.700 | 646.8 | 5.600 | 490.9 |" \
+           " 1.06 | 0.95 |" in speed
+    assert "| causal | cudnn | error: OOM: a \\| b | – |" in speed
+    assert "commit `abc1234`, pipelined timer" in perf
+    # The memory table: the floor, peaks with their ratio, an OOM, a skipped point.
+    assert "| floor | 1.00 | 2.00 | – |" in perf
+    assert "| pallas_flash | 1.25 (1.25×) | 2.50 (1.25×) | 64k |" in perf
+    assert "| xla | out of memory | – | none |" in perf
+    readme = (tree / "README.md").read_text()
+    assert readme.startswith("intro\n<!-- bench-report:headline source=") and readme.endswith(
+        "<!-- /bench-report:headline -->\noutro\n")
+    assert "| 2 × 8192, 16 heads, d 128 | full | 647 / 611 | 1.06 | 491 / 519 | 0.95 |" in readme
+
+
+def test_report_without_files_regenerates_from_the_markers(tree):
+    report.run_report(FILES, plot=False, root=str(tree))
+    before = {t: (tree / t).read_text() for t in TARGETS}
+    assert report.run_report([], check=True, plot=False, root=str(tree))["changed"] == []
+    # A hand edit inside a block is found by --check and undone by a plain run.
+    perf = tree / "docs" / "performance.md"
+    perf.write_text(perf.read_text().replace("646.8", "700.0"))
+    assert report.run_report([], check=True, plot=False,
+                             root=str(tree))["changed"] == ["docs/performance.md"]
+    assert "700.0" in perf.read_text()  # --check writes nothing
+    report.run_report([], plot=False, root=str(tree))
+    assert {t: (tree / t).read_text() for t in TARGETS} == before
+
+
+def test_blocks_without_results_and_files_without_blocks_are_left_alone(tree):
+    (tree / "README.md").write_text("no blocks here\n")
+    result = report.run_report([], plot=False, root=str(tree))
+    assert result["changed"] == []
+    assert "README.md: no bench-report block, skipped" in result["notes"]
+    assert any("no bench results given or named: left as it is" in n for n in result["notes"])
+    assert (tree / "README.md").read_text() == "no blocks here\n"
+
+
+def test_cli_report_check_and_plots(tree, monkeypatch):
+    monkeypatch.chdir(tree)
+    with pytest.raises(SystemExit, match="out of date"):
+        main(["--report", *FILES, "--check"])
+    main(["--report", *FILES])
+    main(["--report", "--check"])
+    pytest.importorskip("matplotlib")
+    assert (tree / "docs" / "performance_speed.png").stat().st_size > 0
+    assert (tree / "docs" / "performance_memory.png").stat().st_size > 0
+
+
+def test_a_results_file_of_the_wrong_kind_is_refused(tree):
+    perf = tree / "docs" / "performance.md"
+    perf.write_text("<!-- bench-report:memory source=benchmarks/results/bench_h200_abc1234.json"
+                    " -->\n<!-- /bench-report:memory -->\n")
+    with pytest.raises(ValueError, match="needs memory results"):
+        report.run_report([], plot=False, root=str(tree))
