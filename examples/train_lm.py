@@ -1,25 +1,30 @@
-"""Train a small causal transformer language model on `pallas_flash.flash_attention`.
+"""Train a byte-level causal language model on `pallas_flash.flash_attention`.
 
 The model is a plain-JAX decoder: pre-RMSNorm blocks with grouped-query attention (RoPE on
-queries and keys) and a GELU MLP, trained with `jax.value_and_grad` and a hand-written Adam.
-Every attention call goes through `pallas_flash.flash_attention(..., causal=True)`, so the run
-exercises the forward and both backward kernels inside `jax.jit` and `lax.scan`.
+queries and keys) and a GELU MLP, optimised with optax (AdamW, warmup then cosine decay,
+global-norm clipping). Every attention call goes through
+`pallas_flash.flash_attention(..., causal=True)`, so training exercises the forward and both
+backward kernels inside `jax.jit` and `lax.scan`, and evaluation the forward alone.
 
-The data is synthetic and generated in-script (no downloads): each sequence is a walk of a
-fixed random Markov chain, repeated until the sequence is full, with a little uniform noise.
-The chain makes the loss fall within a few steps (bigram statistics), and the repetition gives
-attention something to do later on (copying the earlier repeat).
+Data. By default the model reads `examples/data/shakespeare.txt` (public domain, committed; see
+`examples/data/README.md`) one byte per token, so the vocabulary is 256 and the loss in bits per
+token is bits per byte (bpb). The last tenth of the text is held out; validation bpb is printed
+every `--eval-every` steps and at the end. `--text PATH` trains on any other file instead.
+`--data synthetic` swaps in a generated stream (repeated walks of a random Markov chain) that
+needs no file at all.
 
-After training, the script replays the first few steps from the same initialisation and data
-with `pallas_flash.reference_attention` and checks that the losses agree within a tolerance
-that suits the compute dtype. It exits non-zero when they do not (or when a loss is not finite).
+Check. After training, the script replays the first few steps from the same initialisation and
+batches with `pallas_flash.reference_attention` and checks that the training losses agree within
+a tolerance that suits the compute dtype. It exits non-zero when they do not, or when a loss is
+not finite.
 
 Usage (from the repository root):
 
-    python examples/train_lm.py                       # preset picked by jax.default_backend()
-    python examples/train_lm.py --preset tiny --steps 30
-    python examples/train_lm.py --preset gpu --steps 200 --seq 4096 --batch 8
-    python examples/train_lm.py --no-check            # skip the reference comparison
+    python examples/train_lm.py                        # tiny on a CPU, gpu on an accelerator
+    python examples/train_lm.py --preset tiny --steps 100
+    python examples/train_lm.py --preset gpu --steps 400 --seq 8192 --batch 4
+    python examples/train_lm.py --data synthetic       # no text file needed
+    python examples/train_lm.py --no-check             # skip the reference comparison
 
 `tqdm` draws the progress bar when it is installed; otherwise a plain textual bar is printed.
 """
@@ -33,11 +38,12 @@ import math
 import sys
 import time
 from pathlib import Path
-from typing import Callable, NamedTuple
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 try:
     import pallas_flash
@@ -53,6 +59,10 @@ except ImportError:  # tqdm is optional; _TextBar below stands in for it.
     tqdm = None
 
 
+DEFAULT_TEXT = Path(__file__).resolve().parent / "data" / "shakespeare.txt"
+VOCAB = 256  # one token per byte
+
+
 # --------------------------------------------------------------------------------------------
 # Configuration
 # --------------------------------------------------------------------------------------------
@@ -60,9 +70,8 @@ except ImportError:  # tqdm is optional; _TextBar below stands in for it.
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-    """Model, data and optimiser settings for one run (hashable, so usable as a jit static)."""
+    """Model, optimiser and schedule settings for one run (hashable, so usable as a jit static)."""
 
-    vocab: int
     d_model: int
     n_layers: int
     n_heads: int
@@ -71,13 +80,15 @@ class Config:
     seq: int
     batch: int
     steps: int
-    lr: float
+    lr: float  # peak learning rate
     warmup: int
+    weight_decay: float
+    clip: float  # global gradient-norm bound
     dtype: str  # compute dtype; parameters and optimiser state are always float32
     remat: bool
-    pattern_len: int
-    noise: float
     seed: int
+    eval_every: int
+    eval_batches: int
     check_steps: int
 
     @property
@@ -96,25 +107,29 @@ class Config:
                 f"n_heads {self.n_heads} is not a multiple of n_kv_heads {self.n_kv_heads}")
         if self.head_dim % 2:
             raise ValueError(f"RoPE needs an even head_dim, got {self.head_dim}")
-        if self.steps < 1 or self.seq < 2 or self.batch < 1 or self.check_steps < 1:
-            raise ValueError("steps, seq, batch and check_steps must be positive (seq >= 2)")
+        if min(self.steps, self.batch, self.eval_batches, self.check_steps) < 1 or self.seq < 2:
+            raise ValueError(
+                "steps, batch, eval_batches and check_steps must be positive, and seq >= 2")
+        if self.warmup < 0 or self.eval_every < 0:
+            raise ValueError("warmup and eval_every must not be negative")
 
 
 PRESETS = {
-    # Small enough that Pallas interpret mode on a 2-core CPU trains 30 steps in well under a
-    # minute (compilation dominates). 4 query heads share 2 KV heads so GQA is exercised.
+    # Pallas interpret mode on a 2-core CPU: a few hundred steps in under a minute, compilation
+    # included, which takes the text well below the unigram entropy (about 4.5 bpb).
+    # 4 query heads share 2 KV heads so GQA is exercised.
     "tiny": Config(
-        vocab=64, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, mlp_ratio=4,
-        seq=64, batch=4, steps=30, lr=1e-2, warmup=3, dtype="float32", remat=False,
-        pattern_len=16, noise=0.05, seed=0, check_steps=3,
+        d_model=128, n_layers=2, n_heads=4, n_kv_heads=2, mlp_ratio=4, seq=64, batch=8,
+        steps=300, lr=3e-3, warmup=20, weight_decay=0.1, clip=1.0, dtype="float32",
+        remat=False, seed=0, eval_every=100, eval_batches=4, check_steps=3,
     ),
-    # A ~100M-parameter model at a sequence length where flash attention matters: the naive
-    # [batch, heads, seq, seq] score tensor alone would be 8.6 GB per layer in float32.
-    # bfloat16 compute with float32 master weights (the cast happens inside the loss).
+    # Head dim 128 and 4k-byte contexts, where flash attention matters: the naive
+    # [batch, heads, seq, seq] float32 scores would take 4.3 GB per layer. bfloat16 compute with
+    # float32 master weights (the cast happens inside the loss).
     "gpu": Config(
-        vocab=1024, d_model=1024, n_layers=8, n_heads=16, n_kv_heads=4, mlp_ratio=4,
-        seq=4096, batch=8, steps=200, lr=1e-3, warmup=20, dtype="bfloat16", remat=False,
-        pattern_len=256, noise=0.05, seed=0, check_steps=3,
+        d_model=768, n_layers=8, n_heads=6, n_kv_heads=2, mlp_ratio=4, seq=4096, batch=8,
+        steps=400, lr=2e-3, warmup=40, weight_decay=0.1, clip=1.0, dtype="bfloat16",
+        remat=False, seed=0, eval_every=100, eval_batches=8, check_steps=3,
     ),
 }
 
@@ -124,42 +139,84 @@ _CHECK_RTOL = {"float32": 1e-3, "bfloat16": 2e-2, "float16": 2e-2}
 
 
 # --------------------------------------------------------------------------------------------
-# Synthetic data
+# Data
 # --------------------------------------------------------------------------------------------
+# Both sources give int32 token windows of shape [batch, seq + 1] (inputs [:, :-1], targets
+# [:, 1:]). Training batches depend only on (seed, step), so the reference replay sees exactly
+# the batches the flash run saw; evaluation batches are fixed, so every evaluation is comparable.
+
+
+class TextData:
+    """Random byte windows from the first part of a text; fixed windows from its held-out end."""
+
+    def __init__(self, cfg: Config, text: bytes, val_fraction: float = 0.1):
+        self.cfg = cfg
+        tokens = np.frombuffer(text, dtype=np.uint8)
+        # A contiguous tail, not random windows, so that no validation byte was trained on.
+        split = int(len(tokens) * (1 - val_fraction))
+        self.train, self.val = tokens[:split], tokens[split:]
+        for name, part in (("training", self.train), ("validation", self.val)):
+            if len(part) < cfg.seq + 1:
+                raise ValueError(f"the {name} split has {len(part)} bytes, fewer than seq + 1 = "
+                                 f"{cfg.seq + 1}; use a longer text or a shorter --seq")
+
+    def _windows(self, tokens: np.ndarray, starts: np.ndarray) -> np.ndarray:
+        return tokens[starts[:, None] + np.arange(self.cfg.seq + 1)].astype(np.int32)
+
+    def batch(self, step: int) -> np.ndarray:
+        cfg = self.cfg
+        rng = np.random.default_rng([cfg.seed, 1, step])
+        starts = rng.integers(0, len(self.train) - cfg.seq, size=cfg.batch)
+        return self._windows(self.train, starts)
+
+    def eval_batches(self) -> np.ndarray:
+        """[eval_batches, batch, seq + 1] windows spread evenly over the validation split."""
+        cfg = self.cfg
+        n = cfg.eval_batches * cfg.batch
+        starts = np.linspace(0, len(self.val) - cfg.seq - 1, n).astype(np.int64)
+        return self._windows(self.val, starts).reshape(cfg.eval_batches, cfg.batch, -1)
 
 
 class SyntheticData:
-    """A learnable token stream: repeated walks of a fixed random Markov chain, plus noise.
+    """A learnable stream with no file behind it: repeated walks of a fixed Markov chain.
 
     Every token has `branching` successors with geometrically falling probabilities, so the
-    next token is partly predictable from the current one (entropy ~1.1 nats instead of
-    ln(vocab)). Each sequence repeats one walk of `pattern_len` tokens, so from the second
-    repeat on the next token is predictable by looking back one period.
-    Batches depend only on (seed, step), so two runs see identical data.
+    next token is partly predictable from the current one. Each sequence repeats one walk of
+    `pattern_len` tokens, so from the second repeat on the next token is predictable by looking
+    back one period: attention has something to find. A little uniform noise is mixed in.
     """
 
-    def __init__(self, cfg: Config, branching: int = 4):
+    def __init__(self, cfg: Config, pattern_len: int | None = None, noise: float = 0.05,
+                 branching: int = 4):
         self.cfg = cfg
+        self.pattern_len = pattern_len or max(1, cfg.seq // 4)
+        self.noise = noise
         table_rng = np.random.default_rng([cfg.seed, 0])
-        self.successors = table_rng.integers(0, cfg.vocab, size=(cfg.vocab, branching))
+        self.successors = table_rng.integers(0, VOCAB, size=(VOCAB, branching))
         weights = 0.5 ** np.arange(branching)
         self.probs = weights / weights.sum()
 
-    def batch(self, step: int) -> np.ndarray:
-        """Tokens of shape [batch, seq + 1]: inputs are [:, :-1], targets [:, 1:]."""
+    def _sample(self, rng: np.random.Generator) -> np.ndarray:
         cfg = self.cfg
-        rng = np.random.default_rng([cfg.seed, 1, step])
-        period = max(1, min(cfg.pattern_len, cfg.seq + 1))
+        period = min(self.pattern_len, cfg.seq + 1)
         walk = np.empty((cfg.batch, period), dtype=np.int32)
-        walk[:, 0] = rng.integers(0, cfg.vocab, size=cfg.batch)
+        walk[:, 0] = rng.integers(0, VOCAB, size=cfg.batch)
         choice = rng.choice(len(self.probs), size=(cfg.batch, period), p=self.probs)
         for t in range(1, period):
             walk[:, t] = self.successors[walk[:, t - 1], choice[:, t]]
         reps = -(-(cfg.seq + 1) // period)
         tokens = np.tile(walk, (1, reps))[:, : cfg.seq + 1]
-        noisy = rng.random(tokens.shape) < cfg.noise
-        tokens = np.where(noisy, rng.integers(0, cfg.vocab, size=tokens.shape), tokens)
+        noisy = rng.random(tokens.shape) < self.noise
+        tokens = np.where(noisy, rng.integers(0, VOCAB, size=tokens.shape), tokens)
         return tokens.astype(np.int32)
+
+    def batch(self, step: int) -> np.ndarray:
+        return self._sample(np.random.default_rng([self.cfg.seed, 1, step]))
+
+    def eval_batches(self) -> np.ndarray:
+        # Fresh walks of the same chain, from a seed stream that training never draws from.
+        return np.stack([self._sample(np.random.default_rng([self.cfg.seed, 2, i]))
+                         for i in range(self.cfg.eval_batches)])
 
 
 # --------------------------------------------------------------------------------------------
@@ -192,13 +249,13 @@ def init_params(cfg: Config, key: jax.Array) -> dict:
 
     k_embed, k_layers, k_head = jax.random.split(key, 3)
     return {
-        "embed": normal(k_embed, (cfg.vocab, d), 1.0),
+        "embed": normal(k_embed, (VOCAB, d), 1.0),
         "layers": jax.vmap(layer)(jax.random.split(k_layers, cfg.n_layers)),
         "final_norm": jnp.ones((d,), jnp.float32),
-        # Logits start with std ~0.2 at any width, so the first loss sits near ln(vocab). Not
+        # Logits start with std ~0.2 at any width, so the first loss sits near ln(256). Not
         # zero: a zero head would make step 0's loss independent of attention, weakening the
         # reference check.
-        "lm_head": normal(k_head, (d, cfg.vocab), 0.2 * d**-0.5),
+        "lm_head": normal(k_head, (d, VOCAB), 0.2 * d**-0.5),
     }
 
 
@@ -248,7 +305,7 @@ def block(cfg: Config, attn: AttentionFn, x: jax.Array, p: dict) -> jax.Array:
 
 
 def forward(cfg: Config, attn: AttentionFn, params: dict, tokens: jax.Array) -> jax.Array:
-    """Float32 logits [batch, seq, vocab] for int tokens [batch, seq]."""
+    """Float32 logits [batch, seq, 256] for int tokens [batch, seq]."""
     # Mixed precision: the float32 master weights are cast once per step, so gradients flow
     # back to float32 and the optimiser never updates bfloat16 values.
     p = jax.tree.map(lambda a: a.astype(cfg.compute_dtype), params)
@@ -264,64 +321,67 @@ def forward(cfg: Config, attn: AttentionFn, params: dict, tokens: jax.Array) -> 
 
 
 def loss_fn(cfg: Config, attn: AttentionFn, params: dict, tokens: jax.Array) -> jax.Array:
+    """Mean next-token cross-entropy in nats over tokens [batch, seq + 1]."""
     logits = forward(cfg, attn, params, tokens[:, :-1])
-    logp = jax.nn.log_softmax(logits, axis=-1)
-    nll = -jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0]
-    return nll.mean()
+    return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+
+
+def bits(nats: float) -> float:
+    return nats / math.log(2)
 
 
 # --------------------------------------------------------------------------------------------
-# Adam
+# Optimiser
 # --------------------------------------------------------------------------------------------
 
 
-class AdamState(NamedTuple):
-    step: jax.Array
-    mu: dict
-    nu: dict
+def make_schedule(cfg: Config) -> optax.Schedule:
+    """Linear warmup to the peak, then cosine decay to a tenth of it at the last step.
+
+    The warmup starts at peak / (warmup + 1), not zero, so the first update is not a no-op:
+    update t (from 0) uses peak * (t + 1) / (warmup + 1) until the peak.
+    """
+    return optax.warmup_cosine_decay_schedule(
+        init_value=cfg.lr / (cfg.warmup + 1), peak_value=cfg.lr, warmup_steps=cfg.warmup,
+        decay_steps=max(cfg.steps, cfg.warmup + 1), end_value=cfg.lr / 10)
 
 
-def adam_init(params: dict) -> AdamState:
-    zeros = lambda: jax.tree.map(jnp.zeros_like, params)
-    return AdamState(step=jnp.zeros((), jnp.int32), mu=zeros(), nu=zeros())
+def _decay_mask(params: dict) -> dict:
+    # Norm scales are left out of weight decay: pulling them toward zero only fights the norm.
+    return jax.tree_util.tree_map_with_path(lambda path, _: not path[-1].key.endswith("norm"),
+                                            params)
 
 
-def learning_rate(cfg: Config, step: jax.Array) -> jax.Array:
-    """Linear warmup, then cosine decay to 10% of the peak at the last step."""
-    step = step.astype(jnp.float32)
-    warm = cfg.lr * step / max(cfg.warmup, 1)
-    progress = jnp.clip((step - cfg.warmup) / max(cfg.steps - cfg.warmup, 1), 0.0, 1.0)
-    decay = cfg.lr * (0.1 + 0.9 * 0.5 * (1.0 + jnp.cos(jnp.pi * progress)))
-    return jnp.where(step <= cfg.warmup, warm, decay)
-
-
-def adam_update(cfg, params, grads, state, b1=0.9, b2=0.95, eps=1e-8, clip=1.0):
-    # Clip by global norm so one bad batch early in training cannot blow the weights up.
-    gnorm = jnp.sqrt(sum(jnp.sum(g * g) for g in jax.tree.leaves(grads)))
-    factor = jnp.minimum(1.0, clip / (gnorm + 1e-6))
-    grads = jax.tree.map(lambda g: g * factor, grads)
-
-    step = state.step + 1
-    mu = jax.tree.map(lambda m, g: b1 * m + (1 - b1) * g, state.mu, grads)
-    nu = jax.tree.map(lambda n, g: b2 * n + (1 - b2) * g * g, state.nu, grads)
-    # Bias correction: the moments start at zero and would understate early steps otherwise.
-    t = step.astype(jnp.float32)
-    mu_scale, nu_scale = 1.0 / (1 - b1**t), 1.0 / (1 - b2**t)
-    lr = learning_rate(cfg, step)
-    params = jax.tree.map(
-        lambda p, m, n: p - lr * (m * mu_scale) / (jnp.sqrt(n * nu_scale) + eps), params, mu, nu
+def make_optimizer(cfg: Config) -> optax.GradientTransformation:
+    return optax.chain(
+        # Clipping first, so one bad batch early in training cannot blow the moments up.
+        optax.clip_by_global_norm(cfg.clip),
+        optax.adamw(make_schedule(cfg), b1=0.9, b2=0.95, weight_decay=cfg.weight_decay,
+                    mask=_decay_mask),
     )
-    return params, AdamState(step, mu, nu), gnorm
 
 
-def make_train_step(cfg: Config, attn: AttentionFn):
+def make_train_step(cfg: Config, attn: AttentionFn, optimizer: optax.GradientTransformation):
     def train_step(params, opt_state, tokens):
         loss, grads = jax.value_and_grad(functools.partial(loss_fn, cfg, attn))(params, tokens)
-        params, opt_state, gnorm = adam_update(cfg, params, grads, opt_state)
-        return params, opt_state, loss, gnorm
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+        return params, opt_state, loss, optax.global_norm(grads)
 
     # Donating the old parameters and moments lets XLA update them in place.
     return jax.jit(train_step, donate_argnums=(0, 1))
+
+
+def make_evaluator(cfg: Config, attn: AttentionFn, batches: np.ndarray):
+    """A function of params giving the mean loss in bits per token over the fixed batches."""
+    batches = [jnp.asarray(b) for b in batches]
+    eval_loss = jax.jit(functools.partial(loss_fn, cfg, attn))
+
+    def evaluate(params) -> float:
+        # Summed on the device so the host waits once, not once per batch.
+        return bits(float(sum(eval_loss(params, b) for b in batches)) / len(batches))
+
+    return evaluate
 
 
 # --------------------------------------------------------------------------------------------
@@ -366,41 +426,68 @@ def _progress(total: int, desc: str, enabled: bool):
 _init_params = jax.jit(init_params, static_argnums=0)
 
 
-def train(cfg: Config, attn: AttentionFn, data: SyntheticData, steps: int, desc: str,
-          log_every: int, show_progress: bool = True, remat: bool | None = None) -> dict:
-    """Run `steps` steps from the seed's initialisation; return losses, grad norms, timings."""
+def train(cfg: Config, attn: AttentionFn, data, steps: int, desc: str, *, log_every: int,
+          evaluate: bool = True, show_progress: bool = True, remat: bool | None = None) -> dict:
+    """Run `steps` steps from the seed's initialisation.
+
+    Returns per-step training losses (nats), gradient norms and step times, and `val_bpb`, a
+    list of (steps done, validation bits per token), evaluated every `cfg.eval_every` steps and
+    after the last step (nothing when `evaluate` is false).
+    """
     # Initialise from cfg itself, not a remat variant, so the params are bit-identical across
     # runs and the compiled initialiser is reused.
     params = _init_params(cfg, jax.random.key(cfg.seed))
-    opt_state = adam_init(params)
+    optimizer = make_optimizer(cfg)
+    opt_state = optimizer.init(params)
+    schedule = make_schedule(cfg)
     if remat is not None:
         cfg = dataclasses.replace(cfg, remat=remat)
-    step_fn = make_train_step(cfg, attn)
+    step_fn = make_train_step(cfg, attn, optimizer)
+    validate = make_evaluator(cfg, attn, data.eval_batches()) if evaluate else None
 
     bar = _progress(steps, desc, show_progress)
     emit = bar.write if bar is not None else print
-    losses, grad_norms, step_times = [], [], []
-    smooth = None  # per-batch losses are noisy (every batch has new patterns); show a trend too
+    losses, grad_norms, step_times, val_bpb = [], [], [], []
+    smooth = None  # per-batch losses are noisy; show a trend too
     for i in range(steps):
         tokens = jnp.asarray(data.batch(i))
         start = time.perf_counter()
         params, opt_state, loss, gnorm = step_fn(params, opt_state, tokens)
-        # Fetching the loss each step serialises host and device; a step is long enough
-        # (a GPU step at the gpu preset takes far longer than the dispatch) for that not to matter.
+        # Fetching the loss each step serialises host and device; a step is long next to the
+        # dispatch, so the throughput barely notices.
         loss, gnorm = float(loss), float(gnorm)
         step_times.append(time.perf_counter() - start)
         losses.append(loss)
         grad_norms.append(gnorm)
-        smooth = loss if smooth is None else 0.8 * smooth + 0.2 * loss
+        smooth = loss if smooth is None else 0.9 * smooth + 0.1 * loss
         if bar is not None:
-            bar.set_postfix_str(f"loss {loss:.4f} (avg {smooth:.4f})")
+            bar.set_postfix_str(f"{bits(loss):.3f} bits (avg {bits(smooth):.3f})")
             bar.update(1)
-        if log_every and (i % log_every == 0 or i == steps - 1):
-            emit(f"{desc} step {i:4d} | loss {loss:.4f} | avg {smooth:.4f} | "
-                 f"grad norm {gnorm:.3f} | {step_times[-1]:.2f} s")
+        done = i + 1
+        if log_every and (done == 1 or done % log_every == 0 or done == steps):
+            emit(f"{desc} step {done:5d} | train {bits(loss):.3f} bits (avg {bits(smooth):.3f}) | "
+                 f"grad norm {gnorm:.3f} | lr {float(schedule(i)):.2e} | "
+                 f"{step_times[-1] * 1e3:.0f} ms")
+        if validate is not None and ((cfg.eval_every and done % cfg.eval_every == 0)
+                                     or done == steps):
+            val_bpb.append((done, validate(params)))
+            emit(f"{desc} step {done:5d} | validation {val_bpb[-1][1]:.3f} bits per token")
     if bar is not None:
         bar.close()
-    return {"losses": losses, "grad_norms": grad_norms, "step_times": step_times}
+    return {"losses": losses, "grad_norms": grad_norms, "step_times": step_times,
+            "val_bpb": val_bpb}
+
+
+def tokens_per_second(cfg: Config, step_times: list[float]) -> float:
+    """Training throughput over the steady steps (evaluation time excluded)."""
+    # The first step compiles; the second can still pay one-time costs such as kernel loading.
+    steady = step_times[2:] if len(step_times) > 2 else step_times[1:]
+    return cfg.batch * cfg.seq * len(steady) / sum(steady) if steady else float("nan")
+
+
+# --------------------------------------------------------------------------------------------
+# Reference check
+# --------------------------------------------------------------------------------------------
 
 
 def compare_losses(flash: list[float], ref: list[float], rtol: float) -> tuple[list[float], bool]:
@@ -412,13 +499,13 @@ def compare_losses(flash: list[float], ref: list[float], rtol: float) -> tuple[l
     return rel_errs, passed
 
 
-def check_against_reference(cfg: Config, data: SyntheticData, flash_losses: list[float],
-                            show_progress: bool, rtol: float | None = None) -> dict:
+def check_against_reference(cfg: Config, data, flash_losses: list[float], show_progress: bool,
+                            rtol: float | None = None) -> dict:
     """Replay the flash run's first steps with reference attention; compare per-step losses."""
     # The reference materialises [batch, heads, seq, seq] scores in every layer; rematerialising
     # per layer keeps one layer's worth alive in the backward pass instead of all of them.
     ref = train(cfg, reference_attention, data, len(flash_losses), "reference", log_every=0,
-                show_progress=show_progress, remat=True)
+                evaluate=False, show_progress=show_progress, remat=True)
     if rtol is None:
         rtol = _CHECK_RTOL.get(cfg.dtype, 2e-2)
     rel_errs, passed = compare_losses(flash_losses, ref["losses"], rtol)
@@ -437,15 +524,28 @@ def check_against_reference(cfg: Config, data: SyntheticData, flash_losses: list
 def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", choices=sorted(PRESETS),
-                        help="model/data size; default: tiny on CPU, gpu on an accelerator")
+                        help="model and run size; default: tiny on CPU, gpu on an accelerator")
+    parser.add_argument("--data", choices=["text", "synthetic"], default="text",
+                        help="train on bytes of --text (default) or on a generated stream")
+    parser.add_argument("--text", type=Path, default=DEFAULT_TEXT,
+                        help="text file for --data text (default: the committed Shakespeare)")
     parser.add_argument("--steps", type=int, help="training steps")
-    parser.add_argument("--seq", type=int, help="sequence length (tokens per example)")
+    parser.add_argument("--seq", type=int, help="sequence length in tokens (bytes)")
     parser.add_argument("--batch", type=int, help="sequences per step")
+    parser.add_argument("--d-model", type=int, help="model width")
+    parser.add_argument("--layers", type=int, help="number of transformer blocks")
+    parser.add_argument("--heads", type=int, help="query heads")
+    parser.add_argument("--kv-heads", type=int, help="key/value heads (fewer than --heads: GQA)")
     parser.add_argument("--lr", type=float, help="peak learning rate")
+    parser.add_argument("--warmup", type=int, help="linear warmup steps")
+    parser.add_argument("--weight-decay", type=float, help="AdamW decoupled weight decay")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], help="compute dtype")
     parser.add_argument("--remat", action=argparse.BooleanOptionalAction, default=None,
                         help="recompute each layer in the backward pass to save memory")
     parser.add_argument("--seed", type=int, help="seed for parameters and data")
+    parser.add_argument("--eval-every", type=int,
+                        help="steps between validation passes (0: only after the last step)")
+    parser.add_argument("--eval-batches", type=int, help="batches in each validation pass")
     parser.add_argument("--check-steps", type=int,
                         help="steps replayed with reference attention for the check")
     parser.add_argument("--check-rtol", type=float,
@@ -461,8 +561,11 @@ def parse_args(argv):
 def build_config(args) -> Config:
     preset = args.preset or ("tiny" if jax.default_backend() == "cpu" else "gpu")
     overrides = {
-        "steps": args.steps, "seq": args.seq, "batch": args.batch, "lr": args.lr,
+        "steps": args.steps, "seq": args.seq, "batch": args.batch, "d_model": args.d_model,
+        "n_layers": args.layers, "n_heads": args.heads, "n_kv_heads": args.kv_heads,
+        "lr": args.lr, "warmup": args.warmup, "weight_decay": args.weight_decay,
         "dtype": args.dtype, "remat": args.remat, "seed": args.seed,
+        "eval_every": args.eval_every, "eval_batches": args.eval_batches,
         "check_steps": args.check_steps,
     }
     given = {k: v for k, v in overrides.items() if v is not None}
@@ -471,57 +574,71 @@ def build_config(args) -> Config:
     return cfg
 
 
-def main(argv: list[str] | None = None) -> dict:
-    """Train, optionally check against the reference, and return what happened.
+def build_data(args, cfg: Config):
+    if args.data == "synthetic":
+        return SyntheticData(cfg)
+    return TextData(cfg, args.text.read_bytes())
 
-    Returns a dict with `losses` and `grad_norms` (per step), `check` (None with --no-check,
-    otherwise the reference losses, relative errors and `passed`), `check_passed`,
-    `ok` (all losses finite and the check did not fail), `config` and timing numbers.
+
+def main(argv: list[str] | None = None) -> dict:
+    """Train, evaluate, optionally check against the reference, and return what happened.
+
+    Returns a dict with `losses` and `grad_norms` (per step; losses in nats), `val_bpb`
+    ((steps done, bits per token) pairs) and `final_val_bpb`, `tokens_per_s`, `check` (None
+    with --no-check, otherwise the reference losses, relative errors and `passed`),
+    `check_passed`, `ok` (every loss finite and the check did not fail), `config` and `data`.
     """
     args = parse_args(argv)
     cfg = build_config(args)
-    data = SyntheticData(cfg)
+    data = build_data(args, cfg)
     log_every = args.log_every if args.log_every is not None else max(1, cfg.steps // 10)
     show_progress = not args.no_progress
 
     n_params = sum(x.size for x in jax.tree.leaves(
         jax.eval_shape(functools.partial(init_params, cfg), jax.random.key(0))))
+    source = (f"{args.text.name}: {len(data.train):,} training / {len(data.val):,} validation "
+              f"bytes" if args.data == "text" else "synthetic Markov-chain tokens")
     print(f"backend {jax.default_backend()} ({jax.devices()[0].device_kind}) | "
           f"{n_params / 1e6:.2f}M params | d_model {cfg.d_model}, {cfg.n_layers} layers, "
           f"{cfg.n_heads} q / {cfg.n_kv_heads} kv heads of {cfg.head_dim} | seq {cfg.seq}, "
           f"batch {cfg.batch}, {cfg.steps} steps, {cfg.dtype}")
-    print(f"uniform-guess loss ln({cfg.vocab}) = {math.log(cfg.vocab):.3f}")
+    print(f"data: {source} | a uniform guess costs 8 bits per token")
 
     start = time.perf_counter()
-    run = train(cfg, flash_attention, data, cfg.steps, "flash", log_every, show_progress)
-    train_seconds = time.perf_counter() - start
+    run = train(cfg, flash_attention, data, cfg.steps, "flash", log_every=log_every,
+                show_progress=show_progress)
+    seconds = time.perf_counter() - start
     losses = run["losses"]
-    # The first step includes compilation, so throughput is measured on the rest.
-    steady = run["step_times"][1:]
-    tokens_per_s = cfg.batch * cfg.seq * len(steady) / sum(steady) if steady else float("nan")
-    rate = f"{tokens_per_s:,.0f} tokens/s after the first step" if steady else "one step only"
-    print(f"loss {losses[0]:.4f} -> {losses[-1]:.4f} in {train_seconds:.1f} s ({rate})")
+    final_val = run["val_bpb"][-1][1]
+    tokens_per_s = tokens_per_second(cfg, run["step_times"])
+    unit = "bpb" if args.data == "text" else "bits/token"
+    print(f"train {bits(losses[0]):.3f} -> {bits(losses[-1]):.3f} {unit} | "
+          f"validation {final_val:.3f} {unit} | {tokens_per_s:,.0f} tokens/s | "
+          f"{seconds:.1f} s in all")
 
     check = None
     if not args.no_check:
-        # Reuse the flash run's own first steps: same seed, same data, so only the reference
+        # Reuse the flash run's own first steps: same seed, same batches, so only the reference
         # side has to be recomputed.
         check = check_against_reference(cfg, data, losses[: cfg.check_steps], show_progress,
                                         rtol=args.check_rtol)
 
-    finite = all(math.isfinite(x) for x in losses)
+    finite = all(math.isfinite(x) for x in losses) and math.isfinite(final_val)
     if not finite:
         print("non-finite loss encountered")
     check_passed = None if check is None else check["passed"]
     return {
         "losses": losses,
         "grad_norms": run["grad_norms"],
+        "val_bpb": run["val_bpb"],
+        "final_val_bpb": final_val,
+        "tokens_per_s": tokens_per_s,
+        "train_seconds": seconds,
         "check": check,
         "check_passed": check_passed,
         "ok": finite and check_passed is not False,
         "config": dataclasses.asdict(cfg),
-        "train_seconds": train_seconds,
-        "tokens_per_s": tokens_per_s,
+        "data": args.data,
     }
 
 
