@@ -1,4 +1,4 @@
-"""The warnings a first run may meet: interpret mode chosen for the user."""
+"""What a first run meets: one trace and compile per step, and the interpret-mode warning."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import pytest
 import pallas_flash as pf
 from pallas_flash import attention
 
-pytestmark = pytest.mark.skipif(jax.default_backend() == "gpu",
-                                reason="interpret mode is chosen only without a GPU")
+needs_cpu = pytest.mark.skipif(jax.default_backend() == "gpu",
+                               reason="interpret mode is chosen only without a GPU")
 
 
 def _inputs():
@@ -20,6 +20,7 @@ def _inputs():
     return [jax.random.normal(kk, (1, 16, 2, 32), jnp.float32) for kk in keys]
 
 
+@needs_cpu
 def test_automatic_interpret_mode_warns_once(monkeypatch):
     monkeypatch.setattr(attention, "_interpret_warned", False)
     q, k, v = _inputs()
@@ -30,6 +31,7 @@ def test_automatic_interpret_mode_warns_once(monkeypatch):
         pf.flash_attention(q, k, v, causal=True)  # a second call, a new trace: silent
 
 
+@needs_cpu
 def test_explicit_interpret_is_silent(monkeypatch):
     monkeypatch.setattr(attention, "_interpret_warned", False)
     q, k, v = _inputs()
@@ -39,3 +41,25 @@ def test_explicit_interpret_is_silent(monkeypatch):
     ref = pf.reference_attention(q, k, v)
     assert float(jnp.max(jnp.abs(out - ref))) < 1e-4
     assert attention._interpret_warned is False
+
+
+@pytest.mark.parametrize("backend", ["auto", "triton"])
+def test_training_step_traces_and_compiles_once(backend):
+    """Calls two and three of a jitted forward+backward step reuse the first call's executable:
+    nothing the kernels do on a first call (imports, config options, caches) may change what
+    jit keys its cache on, or every later process would pay a second compile."""
+    traces = []
+
+    def loss(q, k, v, do):
+        traces.append(1)
+        out, vjp = jax.vjp(lambda q, k, v: pf.flash_attention(q, k, v, causal=True,
+                                                               backend=backend), q, k, v)
+        return out, vjp(do)
+
+    step = jax.jit(loss)
+    keys = jax.random.split(jax.random.key(1), 4)
+    q, k, v, do = [jax.random.normal(kk, (1, 64, 2, 32), jnp.float32) for kk in keys]
+    for _ in range(3):
+        jax.block_until_ready(step(q, k, v, do))
+    assert len(traces) == 1
+    assert step._cache_size() == 1
