@@ -7,8 +7,9 @@ from pallas_flash.attention import LSE_NAME, OUT_NAME, flash_attention
 from pallas_flash.config import FlashConfig, KernelConfig, default_config
 from pallas_flash.nn import dot_product_attention
 from pallas_flash.reference import reference_attention
-from pallas_flash.sharding import (ring_attention, ring_attention_local, sharded_flash_attention,
-                                   zigzag_permute, zigzag_unpermute)
+from pallas_flash.ring import (ring_attention, ring_attention_local, zigzag_permute,
+                               zigzag_unpermute)
+from pallas_flash.sharding import sharded_flash_attention
 
 __all__ = [
     "flash_attention",

@@ -20,7 +20,7 @@ from jax.test_util import check_grads
 
 import pallas_flash as pf
 from helpers import ON_GPU, TOLERANCE, _outputs_and_grads, assert_close, random_inputs
-from pallas_flash import sharding
+from pallas_flash import ring
 
 NUM_DEVICES = len(jax.devices())
 pytestmark = pytest.mark.skipif(NUM_DEVICES < 2, reason="sharding tests need at least 2 devices "
@@ -184,12 +184,12 @@ def test_ring_segment_id_errors(monkeypatch):
     def no_kernel(*args, **kwargs):
         raise AssertionError("a kernel was traced before the arguments were checked")
 
-    monkeypatch.setattr(sharding, "_kernel_forward", no_kernel)
-    monkeypatch.setattr(sharding, "_kernel_backward", no_kernel)
+    monkeypatch.setattr(ring, "_kernel_forward", no_kernel)
+    monkeypatch.setattr(ring, "_kernel_backward", no_kernel)
     # No trace made with these stand-ins may be reused after the test.
-    sharding._sharded_ring_fn.cache_clear()
-    monkeypatch.setattr(sharding, "_sharded_ring_fn",
-                        functools.lru_cache(maxsize=None)(sharding._sharded_ring_fn.__wrapped__))
+    ring._sharded_ring_fn.cache_clear()
+    monkeypatch.setattr(ring, "_sharded_ring_fn",
+                        functools.lru_cache(maxsize=None)(ring._sharded_ring_fn.__wrapped__))
     q = jax.ShapeDtypeStruct((2, 32, 4, 16), F32)
     k = v = jax.ShapeDtypeStruct((2, 32, 2, 16), F32)
     ids = jax.ShapeDtypeStruct((2, 32), jnp.int32)
@@ -342,13 +342,13 @@ def _count_kernel_calls(monkeypatch, axis_name):
 
         return wrapper
 
-    monkeypatch.setattr(sharding, "_kernel_forward", counted("forward", sharding._kernel_forward))
-    monkeypatch.setattr(sharding, "_kernel_backward",
-                        counted("backward", sharding._kernel_backward))
+    monkeypatch.setattr(ring, "_kernel_forward", counted("forward", ring._kernel_forward))
+    monkeypatch.setattr(ring, "_kernel_backward",
+                        counted("backward", ring._kernel_backward))
     # Traces made with the unwrapped kernels must not be reused, nor ours kept after the test.
-    sharding._sharded_ring_fn.cache_clear()
-    monkeypatch.setattr(sharding, "_sharded_ring_fn",
-                        functools.lru_cache(maxsize=None)(sharding._sharded_ring_fn.__wrapped__))
+    ring._sharded_ring_fn.cache_clear()
+    monkeypatch.setattr(ring, "_sharded_ring_fn",
+                        functools.lru_cache(maxsize=None)(ring._sharded_ring_fn.__wrapped__))
     return calls
 
 
@@ -415,12 +415,12 @@ def test_ring_attention(monkeypatch, name):
     (q, k, v, do, dlse), ids, flash, ref = _inputs_and_expected(shape, causal, packing)
     calls = _count_kernel_calls(monkeypatch, "ring")
 
-    ring = _outputs_and_grads(_ring_fn(mesh, layout, ring_size, **extra), q, k, v, do, dlse,
-                              dict(causal=causal, **ids))
-    jax.block_until_ready(ring)
+    got = _outputs_and_grads(_ring_fn(mesh, layout, ring_size, **extra), q, k, v, do, dlse,
+                             dict(causal=causal, **ids))
+    jax.block_until_ready(got)
     jax.effects_barrier()
-    _compare("vs flash_attention", ring, flash, F32)
-    _compare("vs reference", ring, ref, F32)
+    _compare("vs flash_attention", got, flash, F32)
+    _compare("vs reference", got, ref, F32)
 
     expected = _expected_pairs(ring_size, layout, causal, shape[1])
     for kind in ("forward", "backward"):
