@@ -80,14 +80,16 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_flash.masking import PAD_KEY_ID, PAD_QUERY_ID, segment_block_ranges
 from pallas_flash.mosaic import fused_backward
-from pallas_flash.mosaic.common import (TileGrid, clamp_range, grid_position, launch_head_chunk,
-                                       logit_units, narrowed, pad_seq, query_tile_position,
-                                       stream_through_slots, streamed_range, unsupported_operands)
+from pallas_flash.mosaic.common import (clamp_range, logit_units, narrowed, pad_seq,
+                                       query_tile_position, stream_through_slots, streamed_range,
+                                       unsupported_operands)
 from pallas_flash.mosaic.config import (SMEM_LIMIT, WG_ROWS, MosaicBackwardConfig,
                                        default_backward_config)
 from pallas_flash.mosaic.tiles import (accumulate, bcast_cols, bcast_rows, idiv, matmul,
                                       positions, product, row_vector, transposed_probabilities,
                                       transposed_score_grads, transposed_weights, zeros_acc)
+from pallas_flash.mosaic.schedule import TileGrid, backward_orders, grid_position
+from pallas_flash.mosaic.schedule import backward_orders as _launch_orders  # noqa: F401
 from pallas_flash.spec import AttentionSpec
 from pallas_flash.stats import LOG2E, RowStats, logit_scale, output_dot
 
@@ -556,29 +558,6 @@ def _segment_operands(row_ids, col_ids, row_pad, col_pad, *, cta_rows: int, n_ct
     return row_ids, col_ids, cta, wg
 
 
-def _launch_orders(spec: AttentionSpec, cfg: MosaicBackwardConfig, q, k, n_kv_tiles: int,
-                   n_q_tiles: int) -> tuple[TileGrid, TileGrid]:
-    """The dK/dV and dQ kernels' launch orders: config.head_chunk kv heads a section, else
-    FlashAttention-3's L2 sections when causal, on what each streams (a kv head's group of q
-    heads' Q and dO; a q head's K and V)."""
-    batch, seq_q, q_heads, head_dim = q.shape
-    kv_heads = k.shape[2]
-    group = q_heads // kv_heads
-    chunk = cfg.head_chunk
-    if chunk is None:
-        causal = spec.mask.right is not None
-        item = q.dtype.itemsize
-        dkdv = launch_head_chunk(group * 2 * seq_q * head_dim * item, kv_heads, causal)
-        dq = launch_head_chunk(2 * k.shape[1] * head_dim * item, kv_heads, causal)
-    elif kv_heads % chunk:
-        raise ValueError(f"MosaicBackwardConfig.head_chunk ({chunk}) must divide the number "
-                         f"of kv heads ({kv_heads})")
-    else:
-        dkdv = dq = chunk
-    return (TileGrid(n_kv_tiles, kv_heads, batch, dkdv),
-            TileGrid(n_q_tiles, q_heads, batch, dq * group if dq > 1 else 1))
-
-
 def backward(spec: AttentionSpec, q, k, v, out, stats: RowStats, do, dlse, q_ids=None,
              kv_ids=None, *, config: MosaicBackwardConfig | None = None, delta=None):
     """(dq, dk, dv) in the dtypes of q, k, v (contract of triton.backward.backward).
@@ -633,7 +612,7 @@ def backward(spec: AttentionSpec, q, k, v, out, stats: RowStats, do, dlse, q_ids
     row_tiles = block_kv // WG_ROWS
     bq, st = cfg.dkdv_block_q, cfg.dkdv_stages
     n_kv_tiles = pl.cdiv(seq_kv, block_kv)
-    orders = _launch_orders(spec, cfg, q, k, n_kv_tiles, pl.cdiv(seq_q, cfg.dq_block_q()))
+    orders = backward_orders(spec, cfg, q, k, n_kv_tiles, pl.cdiv(seq_q, cfg.dq_block_q()))
     scratch = [
         plgpu.SMEM((row_tiles, WG_ROWS, head_dim), dtype),
         plgpu.SMEM((row_tiles, WG_ROWS, head_dim), dtype),

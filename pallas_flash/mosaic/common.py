@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax.numpy as jnp
@@ -11,6 +10,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_flash.masking import with_segment_range
+from pallas_flash.mosaic.schedule import (CLUSTER_AXIS, TileGrid, cluster_tiles,  # noqa: F401
+                                         grid_position, launch_head_chunk)
 from pallas_flash.spec import AttentionSpec
 from pallas_flash.stats import LOG2E
 
@@ -94,135 +95,6 @@ def streamed_range(bounds, seg_ref, batch, block):
     return lo, hi
 
 
-CLUSTER_AXIS = "pair"   # the CTAs of a cluster along the tile axis (forward, config.cluster)
-
-
-# K / V bytes that FlashAttention-3's tile scheduler lets one "section" of heads share in L2
-# (32 MB of the H100's 50 MB: hopper/tile_scheduler.hpp, `size_l2`).
-L2_SECTION_BYTES = 32 << 20
-# CUDA's limit on a grid's y and z sizes (x takes up to 2^31 - 1).
-MAX_GRID_YZ = 65535
-
-
-def launch_head_chunk(bytes_per_head: int, heads: int, longest_first: bool) -> int:
-    """How many heads a query- or key-tile kernel interleaves, tile by tile, in its launch order
-    (`TileGrid.head_chunk`), by FlashAttention-3's rule.
-
-    Without a causal bound every tile of a head is equally long and 1 (all tiles of one head,
-    then the next head) keeps the operands of the few heads in flight in L2. With one
-    (`longest_first`: tiles run last-first, the longest first), the tiles of a single head are
-    fewer than a wave, so a head's longest tile would start beside the previous head's
-    shortest and the grid would end on the last head's long tiles. A section of several heads
-    keeps longest-first within it: as many heads as share L2_SECTION_BYTES of streamed operands
-    (`bytes_per_head`), the largest divisor of `heads` that fits.
-    """
-    if not longest_first:
-        return 1
-    fit = max(1, L2_SECTION_BYTES // max(1, bytes_per_head))
-    return max(d for d in range(1, heads + 1) if heads % d == 0 and d <= fit)
-
-
-@dataclasses.dataclass(frozen=True)
-class TileGrid:
-    """The launch order of a kernel of (tile, head, batch) programs.
-
-    Pallas hands its grid to CUDA reversed (Mosaic GPU's lowering.py), so the *last* grid axis
-    is the one CUDA launches fastest. With head_chunk 1 the grid is (batch, head, tile):
-    consecutive CTAs are tiles of one (batch, head), and the CTAs running at once stream the
-    operands of a few heads, which stay in L2. With head_chunk G > 1 it is (section, tile,
-    head_in): G heads interleaved tile by tile, then the next G (`launch_head_chunk`).
-    Sessions 1-13 launched (tile, head, batch), every (batch, head) of a tile first: each wave
-    then streamed every head's K / V, and at 2 x 8192 x 16 heads head_dim 128 Nsight Compute
-    read the forward's L2 hit rate at 36.5% and its DRAM traffic at 9x the compulsory bytes,
-    against cuDNN's 92.5% and 1x (NOTES.md run 68; 92.0% with tiles fastest, run 69).
-
-    n_tiles counts the grid's entries along the tile axis (clusters of `cluster` adjacent
-    tiles when cluster > 1, axis CLUSTER_AXIS; only with head_chunk 1).
-
-    The slowest axis (CUDA's z) takes at most MAX_GRID_YZ entries: a call with more (batch x
-    head sections) than that, e.g. a batch of 100k short sequences, falls back to the old
-    (tile, head, batch) order, whose batch axis is CUDA's x, and ignores head_chunk.
-    """
-
-    n_tiles: int
-    heads: int
-    batch: int
-    head_chunk: int = 1
-    cluster: int = 1
-
-    def __post_init__(self):
-        if self.heads % self.head_chunk:
-            raise ValueError(f"head_chunk {self.head_chunk} must divide the {self.heads} heads")
-        if self.cluster > 1 and self.head_chunk > 1:
-            raise ValueError("clusters run with head_chunk 1 (tiles on the fastest axis)")
-
-    @property
-    def tiles_slowest(self) -> bool:
-        """Whether this grid falls back to the (tile, head, batch) order (class docstring)."""
-        return self.batch * (self.heads // self.head_chunk) > MAX_GRID_YZ
-
-    def params(self) -> dict:
-        """plgpu.kernel's grid (and cluster) arguments."""
-        if self.tiles_slowest:
-            params = dict(grid=(self.n_tiles, self.heads, self.batch),
-                          grid_names=("tile", "head", "batch"))
-            if self.cluster > 1:
-                params.update(cluster=(self.cluster, 1, 1),
-                              cluster_names=(CLUSTER_AXIS, "pair_head", "pair_batch"))
-            return params
-        if self.head_chunk == 1:
-            params = dict(grid=(self.batch, self.heads, self.n_tiles),
-                          grid_names=("batch", "head", "tile"))
-        else:
-            params = dict(grid=(self.batch * (self.heads // self.head_chunk), self.n_tiles,
-                                self.head_chunk),
-                          grid_names=("section", "tile", "head_in"))
-        if self.cluster > 1:
-            params.update(cluster=(1, 1, self.cluster),
-                          cluster_names=("pair_batch", "pair_head", CLUSTER_AXIS))
-        return params
-
-    def head_batch(self):
-        """(head, batch) of this program."""
-        if self.head_chunk == 1 or self.tiles_slowest:
-            return lax.axis_index("head"), lax.axis_index("batch")
-        chunks = jnp.int32(self.heads // self.head_chunk)
-        section = lax.axis_index("section")
-        return (lax.rem(section, chunks) * self.head_chunk + lax.axis_index("head_in"),
-                lax.div(section, chunks))
-
-
-def _tile_of(index, mask, n_tiles: int | None):
-    """The query / key tile that grid index `index` (along the tile axis) works on."""
-    if n_tiles is not None and mask.right is not None:
-        return (n_tiles - 1) - index
-    return index
-
-
-def _grid_tile_index(cluster: int):
-    """This CTA's index along the tile axis, counting CTAs, not clusters."""
-    index = lax.axis_index("tile")
-    if cluster > 1:
-        index = index * cluster + lax.axis_index(CLUSTER_AXIS)
-    return index
-
-
-def grid_position(mask, n_tiles: int | None = None, cluster: int = 1,
-                  order: TileGrid | None = None):
-    """(tile, head, batch, warpgroup) of this program. For query-tile kernels (n_tiles given)
-    with a causal bound (mask.right set), tiles run last-first: the last query rows see the most
-    keys, and starting the longest CTAs first keeps the tail of the grid short. Key-tile kernels
-    give no n_tiles: their first tiles are the longest already. With `cluster` > 1 the grid's
-    tile axis counts clusters of that many CTAs (adjacent tiles; axis CLUSTER_AXIS). `order`:
-    the grid's TileGrid; None for a grid named ("head", "tile", "batch") (fused_backward.py)."""
-    tile = _tile_of(_grid_tile_index(cluster), mask, n_tiles)
-    if order is None:
-        head, batch = lax.axis_index("head"), lax.axis_index("batch")
-    else:
-        head, batch = order.head_batch()
-    return tile, head, batch, lax.axis_index("wg")
-
-
 def query_tile_position(mask, n_tiles: int, cta_rows: int, block_kv: int, seg_ref,
                         cluster: int = 1, order: TileGrid | None = None):
     """(tile, head, batch, warpgroup, cta_start, cta_lo, cta_hi) of a query-tile kernel's
@@ -245,11 +117,9 @@ def query_tile_position(mask, n_tiles: int, cta_rows: int, block_kv: int, seg_re
     if cluster == 1:
         cta_lo, cta_hi = tile_range(tile, cta_start)
         return tile, head, batch, wg, cta_start, cta_lo, cta_hi
-    base = lax.axis_index("tile") * cluster
     lo_u = jnp.int32(jnp.iinfo(jnp.int32).max)
     hi_u = jnp.int32(jnp.iinfo(jnp.int32).min)
-    for i in range(cluster):
-        t = _tile_of(base + i, mask, n_tiles)
+    for t in cluster_tiles(mask, n_tiles, cluster):
         t_lo, t_hi = tile_range(t, t * cta_rows)
         counts = (t * cta_rows < mask.seq_q) & (t_hi > t_lo)
         lo_u = jnp.where(counts, jnp.minimum(lo_u, t_lo), lo_u)

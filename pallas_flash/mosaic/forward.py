@@ -100,11 +100,12 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_flash.masking import PAD_KEY_ID, PAD_QUERY_ID, segment_block_ranges
-from pallas_flash.mosaic.common import (CLUSTER_AXIS, TileGrid, clamp_range, launch_head_chunk,
-                                       logit_units, narrowed, pad_seq, query_tile_position,
-                                       profile_params, unsupported_operands)
+from pallas_flash.mosaic.common import (clamp_range, logit_units, narrowed, pad_seq,
+                                       query_tile_position, profile_params, unsupported_operands)
 from pallas_flash.mosaic.config import (SMEM_LIMIT, MosaicForwardConfig, default_forward_config,
                                        register_budget)
+from pallas_flash.mosaic.schedule import CLUSTER_AXIS, TileGrid, forward_order
+from pallas_flash.mosaic.schedule import forward_order as _launch_order  # noqa: F401
 from pallas_flash.spec import AttentionSpec
 from pallas_flash.stats import LOG2E, RowStats, logit_scale
 
@@ -509,7 +510,7 @@ def forward(spec: AttentionSpec, q, k, v, q_ids=None, kv_ids=None, *,
     ]
     if spec.interpret:
         scratch.append(plgpu.SMEM((wgs, cfg.block_q, cfg.block_kv), dtype))
-    order = _launch_order(spec, cfg, q, k, n_tiles)
+    order = forward_order(spec, cfg, q, k, n_tiles)
     body = functools.partial(_kernel, spec=spec, cfg=cfg, group=group, n_tiles=n_tiles,
                              head_dim=head_dim, order=order)
     call = plgpu.kernel(
@@ -532,24 +533,6 @@ def forward(spec: AttentionSpec, q, k, v, q_ids=None, kv_ids=None, *,
         args += _segment_operands(q_ids, kv_ids, cfg, n_tiles)
     out, m, r = call(*args)
     return out[:, :seq_q], RowStats(m[..., :seq_q], r[..., :seq_q])
-
-
-def _launch_order(spec: AttentionSpec, cfg: MosaicForwardConfig, q, k, n_tiles: int
-                  ) -> TileGrid:
-    """The grid's launch order (config.head_chunk, else FlashAttention-3's L2 sections when
-    causal: one kv head's K and V, shared by its group of q heads)."""
-    batch, _, q_heads, head_dim = q.shape
-    chunk = cfg.head_chunk
-    if chunk is None:
-        group = q_heads // k.shape[2]
-        kv_bytes = 2 * spec.mask.seq_kv * head_dim * q.dtype.itemsize
-        longest_first = spec.mask.right is not None and cfg.cluster == 1
-        chunk = (group * launch_head_chunk(kv_bytes, k.shape[2], longest_first)
-                 if longest_first else 1)
-    elif q_heads % chunk:
-        raise ValueError(f"MosaicForwardConfig.head_chunk ({chunk}) must divide the number "
-                         f"of q heads ({q_heads})")
-    return TileGrid(n_tiles // cfg.cluster, q_heads, batch, chunk, cfg.cluster)
 
 
 def _v_transforms(cfg: MosaicForwardConfig, dtype) -> dict:

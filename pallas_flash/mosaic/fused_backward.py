@@ -78,13 +78,17 @@ from jax import custom_batching, lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_flash.mosaic.common import (clamp_range, grid_position, profile_params,
-                                       stream_through_slots)
+from pallas_flash.mosaic.common import clamp_range, profile_params, stream_through_slots
 from pallas_flash.mosaic.config import FUSED_BLOCK_Q as BLOCK_Q
 from pallas_flash.mosaic.config import FUSED_CTA_KEYS as CTA_KEYS
 from pallas_flash.mosaic.config import FUSED_DS_BUFFERS as DS_BUFFERS
 from pallas_flash.mosaic.config import WG_ROWS
 from pallas_flash.mosaic.tiles import positions, product, transposed_weights, zeros_acc
+from pallas_flash.mosaic.schedule import (fused_first_tiles, fused_grid, fused_head_chunk,
+                                         fused_position)
+from pallas_flash.mosaic.schedule import fused_first_tiles as _first_tiles  # noqa: F401
+from pallas_flash.mosaic.schedule import fused_grid as _grid  # noqa: F401
+from pallas_flash.mosaic.schedule import fused_head_chunk as head_chunk  # noqa: F401
 from pallas_flash.spec import AttentionSpec
 from pallas_flash.stats import LOG2E, logit_scale
 
@@ -122,48 +126,6 @@ def unsupported_reason(spec: AttentionSpec, q, k, cfg) -> str | None:
     return None
 
 
-def head_chunk(cfg, batch: int, kv_heads: int) -> int:
-    """How many kv heads' key tiles the grid interleaves tile by tile
-    (`MosaicBackwardConfig.fused_head_chunk`): the config's value, else at batch 1 the largest
-    of 4, 2, 1 that divides the kv heads (NOTES.md run 59: 4 fastest), else 1. The grid launches batch fastest, so at batch >= 2 neighbouring
-    CTAs already belong to different (batch, head) chains of ordered dQ adds; at batch 1 they
-    would be neighbouring links of one chain, each waiting on the CTA launched just before it.
-    """
-    chunk = cfg.fused_head_chunk
-    if chunk is None:
-        if batch > 1:
-            return 1
-        return next(c for c in (4, 2, 1) if kv_heads % c == 0)
-    if kv_heads % chunk:
-        raise ValueError(f"MosaicBackwardConfig.fused_head_chunk={chunk} must divide the "
-                         f"number of kv heads, {kv_heads}")
-    return chunk
-
-
-def _grid(kv_heads: int, n_tiles: int, batch: int, chunk: int):
-    """The fused kernel's grid (head chunk, tile, head in chunk x batch), last axis fastest:
-    within a tile the chunk's heads and the batch, then the next tile. Tiles of one (head,
-    batch) still launch in increasing order, which the ordered adds need (a tile waits only on
-    lower ones)."""
-    return (kv_heads // chunk, n_tiles, chunk * batch)
-
-
-def _position(mask, chunk: int, batch_size: int):
-    """(tile, kv head, batch, warpgroup) of this CTA in `_grid`."""
-    tile, head, inner, wg = grid_position(mask)
-    if chunk == 1:
-        return tile, head, inner, wg
-    return (tile, head * chunk + lax.div(inner, jnp.int32(batch_size)),
-            lax.rem(inner, jnp.int32(batch_size)), wg)
-
-
-def _first_tiles(mask, n_qblocks: int):
-    """first(j), last(j): the key tiles (of CTA_KEYS rows) that see q block j, int32 [n]."""
-    starts = jnp.arange(n_qblocks, dtype=jnp.int32) * BLOCK_Q
-    lo, _, _, hi = jax.vmap(lambda s: mask.kv_blocks(s, BLOCK_Q, CTA_KEYS, mask.seq_kv))(starts)
-    return lo, hi
-
-
 def _fused_body(q_ref, k_ref, v_ref, do_ref, st_ref, dk_ref, dv_ref, dq_ref,
                 k_smem, v_smem, q_smem, do_smem, st_smem, ds_smem, dq_smem,
                 k_loaded, v_loaded, q_loaded, do_loaded, st_loaded, slot_free,
@@ -177,7 +139,7 @@ def _fused_body(q_ref, k_ref, v_ref, do_ref, st_ref, dk_ref, dv_ref, dq_ref,
     c = logit_scale(spec) * LOG2E
     kv_len = mask.seq_kv if mask.seq_kv % WG_ROWS else None
 
-    tile, kv_head, batch, wg = _position(mask, chunk, batch_size)
+    tile, kv_head, batch, wg = fused_position(mask, chunk, batch_size)
     kv_start = tile * CTA_KEYS
 
     # The q blocks any key of the CTA sees, last block first, once per q head of the group.
@@ -503,7 +465,7 @@ def _fused(q, k, v, do, rows, *, spec: AttentionSpec, cfg):
                     plgpu.SMEM((BLOCK_Q, head_dim), jnp.float32),
                     plgpu.Barrier()]
     kv_shape = jax.ShapeDtypeStruct(k.shape, dtype)
-    chunk = head_chunk(cfg, batch, kv_heads)
+    chunk = fused_head_chunk(cfg, batch, kv_heads)
     dk, dv, dq_sum = plgpu.kernel(
         functools.partial(_fused_body, spec=spec, cfg=cfg, group=group, head_dim=head_dim,
                           q_heads=q_heads, n_qblocks=n_qblocks, chunk=chunk,
@@ -518,7 +480,7 @@ def _fused(q, k, v, do, rows, *, spec: AttentionSpec, cfg):
         # wave spans 32 heads, and their dQ sums, 128 MB, no longer fit L2); tile fastest
         # 494.1 / 412.5 (run 20). With a head chunk (`head_chunk`), the chunk's heads take
         # turns within each tile as the batch does.
-        grid=_grid(kv_heads, n_tiles, batch, chunk),
+        grid=fused_grid(kv_heads, n_tiles, batch, chunk),
         grid_names=("head", "tile", "batch"),
         num_threads=4,
         thread_name="wg",
@@ -532,7 +494,7 @@ def _fused(q, k, v, do, rows, *, spec: AttentionSpec, cfg):
     # q blocks that no tile sees were never written: their dQ is 0. (The ranges are static:
     # computed here at trace time, so the select exists only for masks that need it.)
     with jax.ensure_compile_time_eval():
-        first, last = _first_tiles(mask, n_qblocks)
+        first, last = fused_first_tiles(mask, n_qblocks)
         seen = np.repeat(np.asarray(last > first), BLOCK_Q)[:seq_q8]
     if not seen.all():
         dq_sum = jnp.where(jnp.asarray(seen)[None, :, None, None], dq_sum, 0.0)
