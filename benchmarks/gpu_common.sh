@@ -1,23 +1,37 @@
-# Sourced by the gpu_session*.sh scripts: the environment and layout every device call shares.
-# Sets OUT (the tool's folder), R (JSON results, packed into one results.tar.gz at the end: the
-# tool returns at most 8 files), MULTI_FILES (the test files that need several devices) and
-# IGNORE (pytest arguments that leave them out), and records the GPUs' state.
+# Sourced by benchmarks/gpu.sh: the environment every GPU job shares and a runner that logs.
+#
+# OUT     where logs go (one NAME.log per job, its exit status on the last line) and, under
+#         $OUT/results, the JSON the tools write. Default: a fresh folder under /tmp.
+# Each job runs under `timeout`, so that one hang costs only its own limit, and its log is
+# written as it runs, so that a job cut short still shows how far it got.
 set -o pipefail
-export PYTHONUNBUFFERED=1 PYTHONPATH=. XLA_PYTHON_CLIENT_PREALLOCATE=false
-OUT=${OUT:-/tmp/out}
-R="$OUT/r"
-mkdir -p "$R"
-nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu,memory.used --format=csv \
-  > "$R/gpu.txt" 2>&1
-MULTI_FILES="tests/test_sharding.py tests/test_sharded_example.py tests/test_scaling_bench.py"
-IGNORE=$(for f in $MULTI_FILES; do printf -- "--ignore=%s " "$f"; done)
+export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
+export PYTHONPATH="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)${PYTHONPATH:+:$PYTHONPATH}"
+OUT=${OUT:-$(mktemp -d /tmp/pallas_flash_gpu.XXXXXX)}
+RESULTS="$OUT/results"
+mkdir -p "$RESULTS"
 
-# tune NAME LIMIT ARGS...: benchmarks/mosaic_tune.py ARGS into $R/NAME, its log $OUT/NAME.log.
-tune() {  # $1 = log name, $2 = limit, rest = mosaic_tune arguments
+# gpu_count: the GPUs this process may use.
+gpu_count() {
+  local n
+  n=$(nvidia-smi -L 2>/dev/null | wc -l)
+  echo "${n:-0}"
+}
+
+# record_gpus: name, clocks, temperature and memory in use of every GPU, into $OUT/gpus.txt.
+record_gpus() {
+  nvidia-smi --query-gpu=index,name,clocks.sm,clocks.max.sm,temperature.gpu,memory.used \
+    --format=csv > "$OUT/gpus.txt" 2>&1 || echo "nvidia-smi failed" > "$OUT/gpus.txt"
+}
+
+# run_logged NAME LIMIT COMMAND...: COMMAND under `timeout LIMIT`, its output in $OUT/NAME.log
+# and on the terminal; the log ends with "exit: STATUS" (124: cut by the limit).
+run_logged() {
   local name=$1 limit=$2
   shift 2
-  mkdir -p "$R/$name"
-  timeout "$limit" python3 benchmarks/mosaic_tune.py --iters 10 --out "$R/$name" "$@" \
-    > "$OUT/$name.log" 2>&1
-  echo "exit: $?" >> "$OUT/$name.log"
+  echo "== $name: $*" | tee "$OUT/$name.log"
+  timeout "$limit" "$@" 2>&1 | tee -a "$OUT/$name.log"
+  local status=$?
+  echo "exit: $status" | tee -a "$OUT/$name.log"
+  return "$status"
 }

@@ -1,0 +1,96 @@
+#!/usr/bin/env bash
+# GPU work on one machine, one entry point:
+#
+#   bash benchmarks/gpu.sh suite [PYTEST ARGS]    the compiled test suite (default: tests)
+#   bash benchmarks/gpu.sh bench [BENCH ARGS]     python -m pallas_flash.bench, pipelined timer,
+#                                                 pallas_flash against cuDNN (flags given win)
+#   bash benchmarks/gpu.sh tune mosaic|triton [ARGS]   benchmarks/mosaic_tune.py or tune.py
+#   bash benchmarks/gpu.sh profile [COMMAND...]   Nsight Compute on the kernels of COMMAND
+#                                                 (default: one benchmark case)
+#   bash benchmarks/gpu.sh huge [ARGS]            benchmarks/huge_check.py (> 2**31 elements)
+#   bash benchmarks/gpu.sh scaling [ARGS]         benchmarks/scaling.py (ring attention, all GPUs)
+#
+# Logs go to $OUT/NAME.log and results to $OUT/results (gpu_common.sh). Settings, from the
+# environment: LIMIT, the seconds a job may run (590). suite: WORKERS pytest-xdist workers
+# (default: CPU cores less two) spread over the GPUs, TEST_LIMIT seconds per test (240),
+# MULTI_LIMIT for the multi-device files (300). profile: KERNEL, a regex of the kernel names to
+# profile (default: every kernel), COUNT kernels profiled (4), METRICS more ncu metrics.
+set -u
+
+# Test files that need several devices: run apart, with every GPU visible, when there are two
+# or more (one worker of the spread suite sees one GPU, where they skip).
+MULTI_FILES=${MULTI_FILES:-"tests/test_sharding*.py tests/test_ring*.py tests/test_sharded_example.py tests/benchmarks/test_scaling_bench.py"}
+
+suite() {
+  local gpus workers files=() ignore=()
+  gpus=$(gpu_count)
+  workers=${WORKERS:-$(( $(nproc) > 3 ? $(nproc) - 2 : 1 ))}
+  local pytest=(python3 -m pytest -v -rfE --compiled -p no:cacheprovider
+                --timeout="${TEST_LIMIT:-240}" --timeout-method=thread)
+  for f in $MULTI_FILES; do [ -f "$f" ] && files+=("$f"); done
+  if [ $# -eq 0 ] && [ "$gpus" -gt 1 ]; then
+    for f in "${files[@]}"; do ignore+=(--ignore="$f"); done
+  fi
+  [ $# -eq 0 ] && set -- tests
+  # tests/conftest.py gives each worker one GPU, in turn.
+  [ "$gpus" -gt 1 ] && export PALLAS_FLASH_SPREAD_GPUS=$gpus
+  run_logged tests "${LIMIT:-590}" "${pytest[@]}" -n "$workers" "${ignore[@]}" "$@"
+  local status=$?
+  if [ ${#ignore[@]} -gt 0 ]; then
+    unset PALLAS_FLASH_SPREAD_GPUS
+    run_logged tests_multi "${MULTI_LIMIT:-300}" "${pytest[@]}" -n 2 "${files[@]}" || status=$?
+  fi
+  return $status
+}
+
+bench() {
+  run_logged bench "${LIMIT:-590}" python3 -m pallas_flash.bench --timer pipelined \
+    --impls pallas_flash,cudnn --no-plot --out "$RESULTS" "$@"
+}
+
+tune() {
+  local which=${1:-}
+  shift || true
+  case "$which" in
+    mosaic) run_logged tune_mosaic "${LIMIT:-590}" python3 benchmarks/mosaic_tune.py \
+              --out "$RESULTS" "$@" ;;
+    triton) run_logged tune_triton "${LIMIT:-590}" python3 benchmarks/tune.py \
+              --out "$RESULTS" "$@" ;;
+    *) echo "usage: gpu.sh tune mosaic|triton [ARGS]" >&2; return 2 ;;
+  esac
+}
+
+profile() {
+  [ $# -eq 0 ] && set -- python3 -m pallas_flash.bench --cases 2x8192x16x16x128 --causal no \
+    --impls pallas_flash,cudnn --iters 1 --iters-bwd 1 --no-plot --out "$RESULTS"
+  local metrics=sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active
+  metrics+=,lts__t_sector_hit_rate.pct${METRICS:+,$METRICS}
+  # The clocks stay as the driver sets them, as in every other measurement.
+  run_logged profile "${LIMIT:-590}" ncu --clock-control none -k "regex:${KERNEL:-.}" \
+    -c "${COUNT:-4}" --section SpeedOfLight --section WarpStateStats --section SchedulerStats \
+    --metrics "$metrics" "$@"
+}
+
+huge() {
+  run_logged huge "${LIMIT:-590}" python3 benchmarks/huge_check.py --out "$RESULTS" "$@"
+}
+
+scaling() {
+  XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.95} \
+    run_logged scaling "${LIMIT:-590}" python3 benchmarks/scaling.py --out "$RESULTS" "$@"
+}
+
+COMMAND=${1:-}
+shift || true
+case "$COMMAND" in
+  suite|bench|tune|profile|huge|scaling)
+    source "$(dirname "$0")/gpu_common.sh"
+    record_gpus
+    "$COMMAND" "$@"
+    status=$?
+    echo "logs: $OUT"
+    exit $status ;;
+  *)
+    awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"
+    exit 2 ;;
+esac
