@@ -9,9 +9,9 @@ the same (source lines do not enter a jaxpr) leaves the compiled kernels the sam
 new compiled run. Any other kernel change does. Each line has two hashes: of the kernel
 launches alone (their equations, bodies included), and of the whole program around them (the
 XLA glue: padding, the D = rowsum(dO O) pass, casts); a change to the glue alone moves only
-the second. The configs
-cover both backward designs (two kernels; fused, column split and turns), the forward, masks,
-softcap, segment ids, partial tiles and both compile modes (sm_90 and interpret).
+the second. The configs cover both backward designs (two kernels; fused, column split and
+turns), the forward, masks, softcap, segment ids, partial tiles and both compile modes (sm_90
+and interpret).
 """
 
 from __future__ import annotations
@@ -33,11 +33,12 @@ import pallas_flash as pf  # noqa: E402
 from pallas_flash.masking import make_mask_spec  # noqa: E402
 from pallas_flash.mosaic import backward as mb  # noqa: E402
 from pallas_flash.mosaic import forward as mf  # noqa: E402
+from pallas_flash.mosaic.config import MosaicBackwardConfig  # noqa: E402
 from pallas_flash.spec import AttentionSpec  # noqa: E402
 from pallas_flash.stats import RowStats  # noqa: E402
 
 SEQ = 1001   # neither a multiple of the tiles nor of 8
-FUSED_64 = mb.MosaicBackwardConfig(dkdv_block_q=64, fused=True)
+FUSED_64 = MosaicBackwardConfig(dkdv_block_q=64, fused=True)
 CASES = [
     # (head_dim, dtype, options, backward config or None for the default)
     (64, jnp.bfloat16, dict(causal=True), None),
@@ -45,7 +46,7 @@ CASES = [
     (256, jnp.float16, dict(), None),
     (128, jnp.bfloat16, dict(causal=True), None),
     (128, jnp.bfloat16, dict(window=(100, 50), softcap=30.0), None),
-    (128, jnp.bfloat16, dict(causal=True), mb.MosaicBackwardConfig(dkdv_block_q=64,
+    (128, jnp.bfloat16, dict(causal=True), MosaicBackwardConfig(dkdv_block_q=64,
                                                                    dq_block_kv=64)),
     (128, jnp.bfloat16, dict(causal=True, window=(200, None), softcap=30.0,
                              has_segments=True), None),

@@ -12,8 +12,8 @@ Timing: one call to compile, then the best of 3 averages of --iters back-to-back
 synchronised. TFLOP/s use the benchmark's count (forward 4*B*H*S^2*D, halved for causal;
 backward 2.5x). Every row is printed as it completes and the JSON (<out>/mosaic_tune_<dims>.json)
 is rewritten after each, so a run cut by its time limit keeps what it measured. A config that
-fails to compile or run is a row with its error, not the end of the run. The winners become the
-defaults in pallas_flash/mosaic/{forward,backward}.py, with the numbers in benchmarks/NOTES.md.
+fails to compile or run is a row with its error, not the end of the run. docs/tuning.md says
+how a winner becomes a default in pallas_flash/mosaic/config.py.
 """
 
 from __future__ import annotations
@@ -39,20 +39,21 @@ import pallas_flash as pf  # noqa: E402
 from benchmarks.check_log import timed  # noqa: E402
 from pallas_flash.masking import make_mask_spec  # noqa: E402
 from pallas_flash.mosaic import backward as mb  # noqa: E402
+from pallas_flash.mosaic import config as mc  # noqa: E402
 from pallas_flash.mosaic import forward as mf  # noqa: E402
 from pallas_flash.mosaic.config import SMEM_LIMIT  # noqa: E402
 from pallas_flash.spec import AttentionSpec  # noqa: E402
 from pallas_flash.triton import forward as tf  # noqa: E402
 
 HEADS = {64: 32, 128: 16, 256: 8}
-# Register budgets of a forward with three compute warpgroups (3 * 160 + 32 = 512, the register
-# file; FlashAttention-3's split for three consumer warpgroups). --fwd-registers is for two.
+# Register budgets of a forward with three compute warpgroups (3 * 160 + 32 = 512 =
+# register_budget(4); FlashAttention-3's split). --fwd-registers is for two.
 THREE_WG_REGISTERS = (160, 32)
 
 
 def forward_candidates(head_dim: int, *, stages=None, pingpong=(True, False),
                        overlap=(False, True), registers=((232, 40),), cluster=(1,), block_kvs=None,
-                       compute_wgs=(2,)) -> list[mf.MosaicForwardConfig]:
+                       compute_wgs=(2,)) -> list[mc.MosaicForwardConfig]:
     kvs = block_kvs or {64: (128, 256), 128: (64, 128, 192), 256: (64, 128)}[head_dim]
     stage_counts = stages or ((2, 3) if head_dim == 64 else (2, 3, 4))
     out = []
@@ -63,7 +64,7 @@ def forward_candidates(head_dim: int, *, stages=None, pingpong=(True, False),
                 continue
             regs = THREE_WG_REGISTERS
         compute, copy = regs
-        cfg = mf.MosaicForwardConfig(block_q=64, block_kv=block_kv, stages=n_stages,
+        cfg = mc.MosaicForwardConfig(block_q=64, block_kv=block_kv, stages=n_stages,
                                      pingpong=pp, overlap=ov, compute_registers=compute,
                                      copy_registers=copy, cluster=n_cluster, compute_wgs=wgs)
         # Three warpgroups ignore the --fwd-registers list: one candidate, not one per entry.
@@ -72,12 +73,12 @@ def forward_candidates(head_dim: int, *, stages=None, pingpong=(True, False),
     return out
 
 
-def backward_candidates(head_dim: int) -> list[mb.MosaicBackwardConfig]:
+def backward_candidates(head_dim: int) -> list[mc.MosaicBackwardConfig]:
     out = []
     wgs = (1,) if head_dim > 128 else (1, 2)
     stage_counts = (2,) if head_dim == 64 else (2, 3)
     for bq, bkv, stages, dq_wgs in itertools.product((64, 128), (64, 128), stage_counts, wgs):
-        cfg = mb.MosaicBackwardConfig(dkdv_block_q=bq, dq_block_kv=bkv, dkdv_stages=stages,
+        cfg = mc.MosaicBackwardConfig(dkdv_block_q=bq, dq_block_kv=bkv, dkdv_stages=stages,
                                       dq_stages=stages, dq_compute_wgs=dq_wgs)
         if max(cfg.dkdv_smem_bytes(head_dim), cfg.dq_smem_bytes(head_dim)) <= SMEM_LIMIT:
             out.append(cfg)
@@ -200,7 +201,7 @@ def main():
                 run("fwd", "cudnn", lambda: (jax.jit(lambda q, k, v: jax.nn.dot_product_attention(
                     q, k, v, is_causal=causal, implementation="cudnn")), (q, k, v)), fwd_flops)
                 for cfg in (forward_candidates(d, **fwd_space) if args.fwd_configs is None
-                            else named_configs(mf.default_forward_config(d, spec),
+                            else named_configs(mc.default_forward_config(d, spec),
                                                args.fwd_configs)):
                     run("fwd", "mosaic", lambda cfg=cfg: (jax.jit(
                         lambda q, k, v: mf.forward(spec, q, k, v, config=cfg)), (q, k, v)),
@@ -216,7 +217,7 @@ def main():
 
                 run("bwd", "cudnn", cudnn_bwd, 2.5 * fwd_flops)
                 for cfg in (backward_candidates(d) if args.bwd_configs is None
-                            else named_configs(mb.default_backward_config(d),
+                            else named_configs(mc.default_backward_config(d),
                                                args.bwd_configs)):
                     run("bwd", "mosaic", lambda cfg=cfg: (jax.jit(
                         lambda *a: mb.backward(spec, *a, config=cfg)),

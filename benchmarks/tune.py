@@ -3,8 +3,8 @@
     PYTHONPATH=. python benchmarks/tune.py --head-dims 64,128,256 --out DIR
 
 For every head_dim it times the forward kernel, the dK/dV kernel and the dQ kernel for each
-candidate tile (the other kernels are not run), causal and not, bf16, and prints the best. The
-winners become the defaults in pallas_flash/config.py, with the numbers in benchmarks/NOTES.md.
+candidate tile (the other kernels are not run), causal and not, bf16, and prints the best.
+docs/tuning.md says how a winner becomes a default in pallas_flash/config.py.
 TFLOP/s use the benchmark's count: forward 4*B*H*S^2*D (halved for causal), backward 2.5x that.
 A backward candidate is timed as the whole backward (dK/dV and dQ kernels, and the preprocess)
 with the other kernel's tile held at the default, so the numbers are comparable across rows.
@@ -35,8 +35,7 @@ DKDV = [(64, 128, 8, 2), (64, 64, 4, 2), (32, 128, 4, 2), (64, 128, 4, 3), (128,
 DQ = [(128, 64, 8, 2), (64, 64, 4, 2), (128, 32, 8, 2), (64, 128, 8, 2), (128, 64, 4, 3),
       (128, 128, 8, 2), (64, 64, 4, 3)]
 
-# head_dim 256: the accumulators are twice as wide, so smaller tiles; each of these is also in
-# tests/test_attention.py's explicit-tile test, so a winner can become a default safely.
+# head_dim 256: the accumulators are twice as wide, so smaller tiles.
 FWD_256 = [(64, 64, 8, 2), (64, 32, 4, 2), (128, 32, 8, 2), (32, 32, 4, 3), (64, 32, 8, 2),
            (128, 64, 8, 2), (64, 64, 4, 2)]
 DKDV_256 = [(32, 64, 8, 2), (32, 32, 4, 2), (16, 64, 4, 2), (32, 32, 8, 2), (64, 32, 8, 2)]

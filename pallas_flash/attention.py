@@ -320,10 +320,8 @@ def _custom_vjp_attention(spec: AttentionSpec, forward_backend: str = "triton",
 
     def forward(*args):
         # The barrier keeps XLA from launching the forward kernel twice: in a training step
-        # under lax.scan, XLA 0.11.2 put the Mosaic forward's custom call both in the loop body
-        # and in a dynamic-slice fusion beside it, and ran both (a 20% slower 8-layer step,
-        # NOTES.md run 50; "auto" was spared while its guard was a lax.cond standing in between,
-        # and needs the barrier since the guard became predicated launches, run 56).
+        # under lax.scan, XLA can place the Mosaic forward's custom call both in the loop body
+        # and in a dynamic-slice fusion beside it, and run both.
         return lax.optimization_barrier(_FORWARDS[forward_backend].forward(spec, *args))
 
     @jax.custom_vjp

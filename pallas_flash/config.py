@@ -1,19 +1,17 @@
-"""Tiling configuration for the attention kernels, and the defaults we measured.
+"""Tiling configuration of the Triton kernels, and their defaults (docs/tuning.md says why).
 
 A `KernelConfig` tiles one kernel: a block of queries by a block of keys, with the Triton launch
 parameters. A `FlashConfig` holds one `KernelConfig` per kernel (forward, dK/dV, dQ). Both are
 frozen and validate themselves, so they are hashable static arguments and a bad config fails in
 Python, on any machine, instead of at GPU lowering time.
 
-Why powers of two: the Triton lowering only accepts tensors whose every dimension is a power of
-two (seen on our H200: a 72-wide block failed with "requires that all operations have array
-arguments and results whose size is a power of 2", while interpret mode ran it). We check it
-here so CPU CI catches it too. The minimum of 16 is the smallest tile `tl.dot` accepts.
+Why powers of two: the Triton lowering builds no tensor with another size ("requires that all
+operations have array arguments and results whose size is a power of 2"), while interpret mode
+runs them; checking here lets CPU CI catch it. 16 is the smallest tile `tl.dot` accepts.
 
 Why a shared-memory estimate: a tile too big for the GPU's shared memory fails only when Triton
-compiles it, inside the first call ("Shared memory size limit exceeded: requested 263168,
-available: 232448" on our H200, for a 128x128 dK/dV tile at head_dim 128). `check_shared_memory`
-predicts it from the tile, so the caller gets a ValueError naming the kernel before any launch.
+compiles it, inside the first call. `check_shared_memory` predicts it from the tile, so the
+caller gets a ValueError naming the kernel before any launch.
 """
 
 from __future__ import annotations
@@ -85,47 +83,35 @@ class FlashConfig:
 
 
 def default_config(head_dim: int, dtype) -> FlashConfig:
-    """The tiles we use when the caller gives none, chosen by head_dim and dtype.
-
-    Measured with benchmarks/tune.py on our H200 (jax 0.11.2, bf16, batch 2, seq 8192, 16 heads
-    at head_dim 128, 8 at 256; each kernel's tile swept with the others fixed; benchmarks/NOTES.md
-    has the tables):
-      * forward, head_dim 128: 128x128, 8 warps, 3 stages ran 399 TFLOP/s non-causal and 337
-        causal (2.76 + 1.63 ms), the best sum; 64x64 ran 346 / 351 (3.18 + 1.57 ms).
-      * dK/dV, head_dim 128: 64 queries x 64 keys, 4 warps, 2 stages made the whole backward
-        8.0 ms (342 TFLOP/s) against 14.3 ms for 64x128 with 8 warps, the runner-up family
-        (32x64 / 32x128) at 11 ms.
-      * dQ, head_dim 128: 64x64, 4 warps, 2 stages was the fastest of seven, within 3% of 128x64.
-      * head_dim 64: the forward sweep put 64x64 (341) and 64x128 (343) on top; the backward
-        tiles follow head_dim 128's, since its sweep did not finish in the lease.
-      * head_dim 256 (non-causal): forward 128x64, 8 warps, 2 stages ran 389 TFLOP/s, against
-        205 for the 64x64 we had guessed and 320 for 64x32 / 4 warps; dK/dV 32x64 / 8 warps
-        stayed the best of five (whole backward 22.3 ms); dQ 64x16 / 4 warps took the whole
-        backward from 22.3 to 17.3 ms (64x32 / 4 warps: 17.6).
-    float32 (and float64) operands take twice (four times) the registers and shared memory of
-    bf16, so they take the next smaller tile with 2 stages.
-    """
+    """The tiles used when the caller gives none, by head_dim and dtype: the fastest of
+    benchmarks/tune.py's sweeps, each kernel swept with the others fixed (docs/tuning.md)."""
     wide = jnp.dtype(dtype).itemsize >= 4
     if head_dim <= 64:
+        # The forward sweep's top tile (64x128 tied); the backward follows head_dim 128.
         fwd = KernelConfig(block_q=64, block_kv=64, num_warps=4, num_stages=3)
         dkdv = KernelConfig(block_q=64, block_kv=64, num_warps=4, num_stages=2)
         dq = KernelConfig(block_q=64, block_kv=64, num_warps=4, num_stages=2)
     elif head_dim <= 128:
+        # Forward: the best causal + non-causal sum. dK/dV: the fastest, by far.
+        # dQ: the fastest of seven.
         fwd = KernelConfig(block_q=128, block_kv=128, num_warps=8, num_stages=3)
         dkdv = KernelConfig(block_q=64, block_kv=64, num_warps=4, num_stages=2)
         dq = KernelConfig(block_q=64, block_kv=64, num_warps=4, num_stages=2)
     else:
+        # Each kernel's fastest: wide rows want fewer keys (forward, dQ) or queries (dK/dV).
         fwd = KernelConfig(block_q=128, block_kv=64, num_warps=8, num_stages=2)
         dkdv = KernelConfig(block_q=32, block_kv=64, num_warps=8, num_stages=2)
         dq = KernelConfig(block_q=64, block_kv=16, num_warps=4, num_stages=2)
+    # float32 (float64) operands take twice (four times) the registers and shared memory of
+    # bf16: the next smaller tile, with 2 stages.
     if wide:
         fwd, dkdv, dq = (_halve(c) for c in (fwd, dkdv, dq))
     return FlashConfig(fwd=fwd, bwd_dkdv=dkdv, bwd_dq=dq)
 
 
-# Shared memory per thread block by compute capability (CUDA programming guide's opt-in maximum;
-# 9.0's 232448 bytes is what our H200 reported). Interpret mode checks against Hopper's, so a
-# config that could not compile on an H100/H200 fails on the CPU too.
+# Shared memory per thread block by compute capability (the CUDA programming guide's opt-in
+# maximum). Interpret mode checks against Hopper's, so a config that could not compile on an
+# H100 / H200 fails on the CPU too.
 HOPPER_SHARED_MEMORY = 232448
 _SHARED_MEMORY = {(9, 0): HOPPER_SHARED_MEMORY, (8, 0): 166912, (8, 6): 101376, (8, 7): 166912,
                   (8, 9): 101376}
@@ -154,9 +140,7 @@ def shared_memory_bytes(config: FlashConfig, head_dim: int, dtype) -> dict[str, 
       forward: stages * (K + V tiles) + the Q tile                          (bkv, bkv, bq rows)
       dK/dV:   stages * (Q + dO tiles) + K + V + the P^T and dS^T blocks    (bq x bkv each)
       dQ:      stages * (K + V tiles) + Q + dO + the dS block
-    Calibration on our H200: it gives 262144 bytes for the 128x128 dK/dV tile that asked for
-    263168 and failed, and 229376 for the default head_dim 128 forward (128x128, 3 stages), which
-    runs; every tile benchmarks/tune.py ran there is under the limit.
+    It is calibrated against the compiler's own figures (docs/tuning.md).
     """
     d = max(16, 1 << (head_dim - 1).bit_length())
     b = jnp.dtype(dtype).itemsize

@@ -7,7 +7,7 @@ it as one more backend.
 Why a check: the Triton kernels confine a NaN or inf input to exactly the rows (and gradient
 rows) that depend on it, also when it sits at a position a row does not see (a future key, a
 padded key, another document): they zero non-finite operands on masked tiles and mark the rows
-that really see them (issue 7's contract). The Mosaic kernels are built for speed and skip that
+that really see them. The Mosaic kernels are built for speed and skip that
 work: their products run on the tensor cores straight from shared memory, where a masked-out
 entry still meets its operand as 0 * inf = NaN. In the forward pass only V can leak that way (a
 non-finite q or k entry lands in S, which every mask overwrites); in the backward pass any of q,
@@ -21,9 +21,7 @@ Triton kernels). Then both kernels are launched, the Triton one predicated on th
 (triton.common.predicated): when the operands are finite its programs return at once, and its
 outputs, aliased to the Mosaic kernels', keep theirs. No branch, so no host round trip for a
 predicate, and the Mosaic kernels launch at the top level of the program (a `lax.cond` between
-the two cost 0.03-0.09 ms a forward call on the H200 and made a clustered launch slower still,
-NOTES.md runs 47 and 52; a loop of zero or one trips after the Mosaic kernel, run 48-52, read its
-predicate only after the kernel ended). A non-finite operand pays for both kernels. Under
+the two costs more, docs/tuning.md). A non-finite operand pays for both kernels. Under
 jax.vmap one flag covers the whole vmapped batch. The benchmark shows the cost as the gap
 between its `pallas_flash` (auto) and `pallas_flash_mosaic` (forced, unchecked) rows.
 ``backend="mosaic"`` skips the check.

@@ -67,9 +67,8 @@ def output_dot(out, do, dlse, dtype) -> jax.Array:
 
     The sum runs over head_dim in the operands' own [batch, seq, heads, head_dim] layout and
     is only then transposed, with an optimization barrier between: left to itself XLA fuses the
-    transpose into the reduction and reads O and dO in a pattern that took 0.28 ms at
-    2x8192x16x128 on the H200, against 0.04 ms this way (benchmarks/step_probe.py, NOTES.md
-    run 50; the reads alone need ~0.03 ms).
+    transpose into the reduction and reads O and dO in a pattern several times slower
+    (docs/tuning.md).
     """
     d = jnp.sum(out.astype(dtype) * do.astype(dtype), axis=-1)
     d = lax.optimization_barrier(d)

@@ -1,4 +1,5 @@
-"""Kernels lowered through Pallas Mosaic GPU for Hopper (sm_90): forward.py and backward.py.
+"""Kernels lowered through Pallas Mosaic GPU for Hopper (sm_90).
 
-`flash_attention(..., backend="mosaic")` runs them as they are; "auto" runs them on an sm_90 GPU
-behind the finiteness check of pallas_flash/guarded.py. Tiles: benchmarks/mosaic_tune.py."""
+forward.py, backward.py and fused_backward.py hold the kernels, config.py their tiles and
+budgets, schedule.py their launch order. `flash_attention(..., backend="mosaic")` runs them as
+they are; "auto" runs them on an sm_90 GPU behind guarded.py's finiteness check."""

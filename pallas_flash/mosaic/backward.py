@@ -1,70 +1,27 @@
-"""Backward kernels for Hopper (sm_90), lowered through Pallas Mosaic GPU.
+"""Backward kernels for Hopper (sm_90), lowered through Pallas Mosaic GPU: dK/dV, then dQ.
 
-Same contract as `pallas_flash.triton.backward.backward`: (dq, dk, dv) in the dtypes and layouts
-of q, k, v, from the forward's row statistics (stats.RowStats: m in logit units, r = log2 of the
-row's denominator). Weights are recomputed tile by tile as P = 2^((u - m) c - r), u = q.k raw
-(or tanh(q.k * scale / softcap)), c = logit_scale * log2(e), with u - m formed before the scaling as stats.py asks. With
-D = rowsum(dO * O) - dlse (one XLA pass before the kernels, as in the Triton backward),
-dP = dO V^T and dS = P * (dP - D):
+Contract of `triton.backward.backward`: (dq, dk, dv) in the dtypes and layouts of q, k, v, from
+the forward's stats.RowStats. Tile by tile, with c = logit_scale * log2(e), u in logit units
+and D = rowsum(dO * O) - dlse (one XLA pass before the kernels):
+    P = 2^((u - m) c - r),  dP = dO V^T,  dS = P (dP - D)   (times 1 - t^2 with a softcap).
+Where fused_backward.py serves the call (config.fused), it runs instead of these two kernels.
 
-* dK/dV kernel `pallas_flash_mosaic_bwd_dkdv`. Grid (kv tile, kv head, batch). The CTA keeps
-  its K and V rows in shared memory and loops, for each q head of the GQA group in turn (inside
-  the CTA: no atomics, deterministic), over the q blocks that can see its keys. It works in the
-  transposed orientation, so every product has the CTA's key rows as the wgmma M dimension:
-      S^T = K Q^T,  P^T = 2^((S^T - m) c - r),  dP^T = V dO^T,  dS^T = P^T (dP^T - D),
-      dV += P^T dO,  dK += dS^T Q   (times scale at the end).
-  m, r and D index the columns here: they are read from shared memory in the column-vector
-  layout (`Layout.WGMMA.reduce(0)`) and broadcast along the rows.
-* dQ kernel `pallas_flash_mosaic_bwd_dq`. Grid (q tile, q head, batch), looping over key blocks:
-      S = Q K^T,  P,  dP = dO V^T,  dS,  dQ += dS K   (times scale at the end).
+* dK/dV `pallas_flash_mosaic_bwd_dkdv`: grid (kv tile, kv head, batch). A CTA keeps its K and
+  V rows in shared memory and loops over the q heads of its GQA group (inside the CTA: no
+  atomics, deterministic) and the q blocks that see its keys, in the transposed orientation
+  (key rows are the wgmma M dimension; m, r, D index columns):
+      S^T = K Q^T,  P^T,  dP^T = V dO^T,  dS^T,  dV += P^T dO,  dK += dS^T Q.
+  Two compute warpgroups own 64 key rows each; at head_dim 256 (registers) they own the same
+  64 rows and split the columns of dK and dV, and `dkdv_paired` divides the recomputation.
+* dQ `pallas_flash_mosaic_bwd_dq`: grid (q tile, q head, batch), dq_compute_wgs warpgroups of
+  64 q rows, looping over key blocks:  S = Q K^T,  P,  dP,  dS,  dQ += dS K.
 
-Each CTA has `compute_wgs` compute warpgroups and one more warpgroup that only issues TMA copies
-(warp specialization; it gives its registers to the compute warpgroups). Streams go through
-`stages` shared-memory slots, each with one "loaded" barrier per copied array (completed by the
-TMA transaction count) and a "free" barrier that needs one arrival per compute warpgroup before
-the copy warpgroup refills the slot. Accumulators are float32 wgmma accumulators.
-
-Warpgroup layout. A warpgroup's wgmma M tile is 64 rows. In the dK/dV kernel, with head_dim <=
-128, the two compute warpgroups own 64 key rows each (a 128-row CTA) and share the Q / dO
-stream. At head_dim 256 two float32 accumulators of 64 x 256 do not fit one warpgroup's
-registers, so both warpgroups own the same 64 key rows and split the *columns* of dK and dV
-(128 each). S^T and dP^T need the full head_dim: without a softcap the two
-warpgroups divide them (`MosaicBackwardConfig.dkdv_paired`: one forms P^T, the other dP^T and
-dS^T, exchanged through shared memory; 4 matmul units a step, +13-16%, NOTES.md runs 41-42);
-otherwise each recomputes both (6 units). The dQ kernel: each compute warpgroup owns 64 q rows.
-
-Masks (causal, sliding window, alignment offset: masking.MaskSpec; the key bound; segment ids):
-the loop bounds are MaskSpec's, as in the Triton backward: `q_blocks` per key tile for dK/dV
-(per CTA for what the copy warpgroup streams, per warpgroup for what it computes), `kv_blocks`
-per query tile for dQ. Blocks that no row of a warpgroup sees are skipped, blocks wholly visible
-skip the mask, edge blocks (diagonal, window start and end, partial blocks) are masked by an
-iota compare. Warpgroups of one CTA need different block ranges from the one stream; a
-warpgroup waits for and releases the stream entries it does not use ("drain" steps), which keeps
-every "free" barrier at exactly one arrival per warpgroup per phase (as the Mosaic forward does).
-
-Softcap: logit units are t = tanh(q.k * scale / softcap) (computed through exp2, as in the
-Mosaic forward, so approx_math does not degrade it), c = softcap * log2(e), and
-dS_raw = dS * (1 - t^2).
-
-Partial tiles (any seq_q, seq_kv), as in the Mosaic forward: the TMA reads rows past the end of
-q, k, v, dO as zeros and drops stores past the end of dq, dk, dv; lengths that are not a
-multiple of 8 (the TMA's row tiling) are zero-padded in XLA first and the gradients sliced back.
-The row statistics are padded to whole q tiles with (m, r, D) = (0, +inf, 0), so padded query
-rows have P = 0 with no mask; keys past seq_kv are masked (K = V = 0 there already makes their
-contribution to dQ zero, and their dK / dV rows are never stored).
-
-Segment ids (padding lengths folded in, masking.fold_lengths): block ranges from
-masking.segment_block_ranges, computed in XLA before the kernels and read as scalars: for dQ,
-key-block ranges per (batch, query CTA) and per (batch, 64-row warpgroup tile); for dK/dV,
-query-block ranges per (batch, key CTA) and per (batch, 64-key warpgroup tile). They tighten
-the MaskSpec bounds, and every visited block is then masked, the ids of the warpgroup's own
-rows and of each streamed block read from global memory into the wgmma row / column layouts.
-
-CPU testing (jax 0.11.2): runs in Mosaic GPU interpret mode (`spec.interpret=True`). There the
-interpreter takes no wgmma operand in registers and no `run_state` over an accumulator, so P^T,
-dS^T and dS go through shared memory and each product is added to the accumulator afterwards;
-the compiled path (operands in registers, accumulating in place) is covered on the CPU only by
-the sm_90 lowering test (`jax.jit(...).trace(...).lower(lowering_platforms=("cuda",))`).
+Each CTA also has a copy warpgroup streaming through `stages` slots with "loaded" and "free"
+barriers, and warpgroups drain the blocks outside their own range, as in the forward. The
+loop bounds are MaskSpec's (q_blocks for dK/dV, kv_blocks for dQ), narrowed by segment ids.
+Rows past seq_q have (m, r, D) = (0, +inf, 0), hence P = 0 with no mask; keys past seq_kv are
+masked. float16 dS is scaled per row before its cast (`_cast_rows`). Interpret mode stages the
+register operands (P^T, dS^T, dS) through shared memory.
 """
 
 from __future__ import annotations
@@ -108,8 +65,6 @@ def unsupported_reason(spec: AttentionSpec, q, k, v,
     if reason is not None:
         return reason
     head_dim = q.shape[-1]
-    # Softcap, every mask (causal, alignment, sliding window), any seq_q / seq_kv and segment
-    # ids / padding lengths are served; what is left is dtype, head_dim and shared memory.
     cfg = config or default_backward_config(head_dim)
     if uses_fused(spec, q, k, cfg):
         kernels = (("fused", cfg.fused_smem_bytes(head_dim)),)
@@ -196,16 +151,13 @@ def _dkdv_body(q_ref, k_ref, v_ref, do_ref, st_ref, q_ids_ref, kv_ids_ref, cta_s
     cta_rows = row_tiles * WG_ROWS
     cols = head_dim // splits
     c = logit_scale(spec) * LOG2E
-    # Keys past seq_kv (zeros from the TMA) exist only in a partial 64-row tile; their dK / dV
-    # rows are never stored, but the mask keeps their P at 0 all the same.
+    # Keys past seq_kv exist only in a partial 64-row tile, which then needs the mask.
     kv_len = mask.seq_kv if mask.seq_kv % WG_ROWS else None
 
     tile, kv_head, batch, wg = grid_position(mask, order=order)
     kv_start = tile * cta_rows
 
-    # The q blocks the CTA needs for any of its keys: MaskSpec's bounds (window, causal,
-    # alignment, lengths), tightened by the segment ranges per key tile (precomputed in XLA,
-    # read as scalars). The copy warpgroup streams exactly [cta_lo, cta_hi) for each q head.
+    # The copy warpgroup streams [cta_lo, cta_hi) for each q head of the group.
     cta_lo, cta_hi = streamed_range(
         mask.q_blocks(kv_start, cta_rows, block_q, mask.seq_kv, mask.seq_q), cta_seg_ref, batch,
         tile)
@@ -218,7 +170,6 @@ def _dkdv_body(q_ref, k_ref, v_ref, do_ref, st_ref, q_ids_ref, kv_ids_ref, cta_s
         bounds = mask.q_blocks(key0, WG_ROWS, block_q, mask.seq_kv, mask.seq_q)
         kv_ids = None
         if wg_seg_ref is not None:
-            # With ids every visited block is masked (ids are data): no unmasked middle.
             bounds = narrowed(bounds, wg_seg_ref, batch, tile * row_tiles + row_tile)
             kv_ids = plgpu.load(kv_ids_ref.at[batch, pl.ds(key0, WG_ROWS)],
                                 layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
@@ -230,10 +181,8 @@ def _dkdv_body(q_ref, k_ref, v_ref, do_ref, st_ref, q_ids_ref, kv_ids_ref, cta_s
         plgpu.barrier_wait(v_loaded.at[row_tile])
 
         def paired_step(dk, dv, fk, slot, q_blk, do_blk, st, shape, wait_q, visible_fn):
-            """A step of the paired exchange (`MosaicBackwardConfig.dkdv_paired`). Warpgroup 0
-            forms P^T and hands it over; warpgroup 1 forms dP^T and, with that P^T, dS^T,
-            which it hands back. Each then adds its columns of dV and dK. One buffer each way:
-            a writer waits until its partner has taken the previous one."""
+            """A step of `dkdv_paired`: warpgroup 0 forms P^T and hands it over, warpgroup 1
+            forms dP^T and dS^T and hands that back; each adds its columns of dV and dK."""
             wait_do = lambda: plgpu.barrier_wait(do_loaded.at[slot])
             if col == 0:
                 wait_q()
@@ -289,15 +238,13 @@ def _dkdv_body(q_ref, k_ref, v_ref, do_ref, st_ref, q_ids_ref, kv_ids_ref, cta_s
                 plgpu.barrier_wait(st_loaded.at[slot])
 
             def visible_fn():
-                # Rows are keys, columns queries (the transposed orientation).
                 k_pos, q_pos = positions(shape, key0, i * block_q)
                 visible = mask.visible(q_pos, k_pos, kv_len)
                 if kv_ids is not None:
                     q_ids = plgpu.load(q_ids_ref.at[batch, pl.ds(i * block_q, block_q)],
                                        layout=plgpu.Layout.WGMMA.reduce(0), optimized=False)
                     visible = _and_mask(visible, _same_segment(kv_ids, q_ids, shape))
-                # None: only queries past seq_q make this block an edge, and their r = +inf
-                # already gives P = 0.
+                # None: queries past seq_q alone make it an edge; their r = +inf gives P = 0.
                 return visible
 
             if paired:
@@ -327,9 +274,7 @@ def _dkdv_body(q_ref, k_ref, v_ref, do_ref, st_ref, q_ids_ref, kv_ids_ref, cta_s
             plgpu.barrier_arrive(slot_free.at[slot])
 
         def head_loop(h, carry):
-            # Blocks before this warpgroup's range (the other warpgroup needs them), the
-            # masked leading edge (diagonal / window end), the unmasked middle, the masked
-            # trailing edge (window start, a partial last q block), blocks after its range.
+            # Drain, masked leading edge, unmasked middle, masked trailing edge, drain.
             lax.fori_loop(cta_lo, lo, lambda i, _: drain(h, i), None)
             carry = lax.fori_loop(lo, full_lo, lambda i, cr: step(h, i, cr, True), carry)
             carry = lax.fori_loop(full_lo, full_hi, lambda i, cr: step(h, i, cr, False), carry)
@@ -339,15 +284,14 @@ def _dkdv_body(q_ref, k_ref, v_ref, do_ref, st_ref, q_ids_ref, kv_ids_ref, cta_s
 
         carry = (zeros_acc(WG_ROWS, cols), zeros_acc(WG_ROWS, cols), row_vector(1.0, WG_ROWS))
         if paired:
-            # Each side starts with its buffer free: one arrival ahead, observed after the loop.
+            # Each side starts with its buffer free: one arrival ahead, awaited after the loop.
             plgpu.barrier_arrive(ds_free if col == 0 else pt_free)
         dk, dv, fk = lax.fori_loop(0, group, head_loop, carry)
         if paired:
             plgpu.barrier_wait(pt_free if col == 0 else ds_free)
         dk = dk * bcast_rows(fk * spec.scale, dk.shape)
 
-        # K and V are no longer read once the loops end: their buffers carry dK and dV out.
-        # The TMA store drops rows past the end of dK / dV (a partial last key tile).
+        # K and V are no longer read: their buffers carry dK and dV out.
         rows = (batch, pl.ds(key0, WG_ROWS), kv_head)
         if splits == 1:
             my_k[...] = dk.astype(dtype)
@@ -358,8 +302,8 @@ def _dkdv_body(q_ref, k_ref, v_ref, do_ref, st_ref, q_ids_ref, kv_ids_ref, cta_s
             plgpu.wait_smem_to_gmem(0)
             return
 
-        # Column halves: both warpgroups read all of K and V, so wait for both to finish, write
-        # the halves, wait again, then one warpgroup stores dK and the other dV, whole rows.
+        # Column halves: both warpgroups read all of K and V, so each writes its half only
+        # once both have finished; then one stores dK and the other dV.
         def both_arrived():
             plgpu.barrier_arrive(halves_done)
             plgpu.barrier_wait(halves_done)
@@ -381,7 +325,6 @@ def _dkdv_body(q_ref, k_ref, v_ref, do_ref, st_ref, q_ids_ref, kv_ids_ref, cta_s
             plgpu.wait_smem_to_gmem(0)
 
     for col_split in range(splits):
-        # The column offset stays static (one code path per column slice).
         pl.when((wg < wgs) & (lax.rem(wg, jnp.int32(splits)) == col_split))(
             functools.partial(compute, col_split * cols, idiv(wg, splits)))
 
@@ -389,7 +332,6 @@ def _dkdv_body(q_ref, k_ref, v_ref, do_ref, st_ref, q_ids_ref, kv_ids_ref, cta_s
     def _copy():
         plgpu.set_max_registers(cfg.copy_registers, action="decrease")
         for rt in range(row_tiles):
-            # Rows past the end of k / v (a partial last tile) arrive as zeros.
             rows = (batch, pl.ds(kv_start + rt * WG_ROWS, WG_ROWS), kv_head)
             plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[rt], k_loaded.at[rt])
             plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[rt], v_loaded.at[rt])
@@ -420,7 +362,7 @@ def _dq_body(q_ref, k_ref, v_ref, do_ref, st_ref, q_ids_ref, kv_ids_ref, cta_seg
     block_kv, stages, wgs = cfg.dq_block_kv, cfg.dq_stages, cfg.dq_compute_wgs
     cta_rows = wgs * WG_ROWS
     c = logit_scale(spec) * LOG2E
-    # Keys past seq_kv (zeros from the TMA) exist only in a partial last key block.
+    # Keys past seq_kv exist only in a partial last key block.
     kv_len = mask.seq_kv if mask.seq_kv % block_kv else None
 
     tile, head, batch, wg, cta_start, cta_lo, cta_hi = query_tile_position(
@@ -435,8 +377,6 @@ def _dq_body(q_ref, k_ref, v_ref, do_ref, st_ref, q_ids_ref, kv_ids_ref, cta_seg
         plgpu.set_max_registers(cfg.compute_registers, action="increase")
         q0 = cta_start + wg * WG_ROWS
         my_q, my_do, my_st = q_smem.at[wg], do_smem.at[wg], st_smem.at[wg]
-        # Rows past the end of q / dO arrive as zeros (their stats, padded, give P = 0), and
-        # the TMA store of dQ drops them.
         rows = (batch, pl.ds(q0, WG_ROWS), head)
         plgpu.copy_gmem_to_smem(q_ref.at[rows], my_q, own_loaded.at[wg])
         plgpu.copy_gmem_to_smem(do_ref.at[rows], my_do, own_loaded.at[wgs + wg])
@@ -451,7 +391,7 @@ def _dq_body(q_ref, k_ref, v_ref, do_ref, st_ref, q_ids_ref, kv_ids_ref, cta_seg
             bounds = narrowed(bounds, wg_seg_ref, batch, tile * wgs + wg)
             q_ids = plgpu.load(q_ids_ref.at[batch, pl.ds(q0, WG_ROWS)],
                                layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
-        # A warpgroup wholly past seq_q (the second one of a short last tile) computes nothing.
+        # A warpgroup wholly past seq_q computes nothing.
         bounds = tuple(jnp.where(q0 < mask.seq_q, b, cta_lo) for b in bounds)
         lo, full_lo, full_hi, hi = clamp_range(bounds, cta_lo, cta_hi)
 
@@ -518,10 +458,7 @@ def _dq_body(q_ref, k_ref, v_ref, do_ref, st_ref, q_ids_ref, kv_ids_ref, cta_seg
         kv_head = idiv(head, group)
 
         def load(i, _):
-            # Block cta_lo + i goes to slot i % stages once both compute warpgroups have
-            # released the block before it there: V first (released right after dP), then K
-            # (released after the dS K product). Starts are dynamic: a partial last block
-            # reaches past seq_kv, which the TMA reads as zeros.
+            # V first: it is released right after dP, K only after the dS K product.
             slot = lax.rem(i, jnp.int32(stages))
             rows = (batch, pl.ds((cta_lo + i) * block_kv, block_kv), kv_head)
             refill = i >= stages
@@ -550,7 +487,6 @@ def _segment_operands(row_ids, col_ids, row_pad, col_pad, *, cta_rows: int, n_ct
     (batch, warpgroup tile), int32 [batch, n, 2]."""
     cta = jnp.stack(segment_block_ranges(row_ids, col_ids, cta_rows, block_col), axis=-1)
     wg = jnp.stack(segment_block_ranges(row_ids, col_ids, WG_ROWS, block_col), axis=-1)
-    # A warpgroup tile wholly past the end has no range of its own (it computes nothing).
     wg = pad_seq(wg, n_ctas * (cta_rows // WG_ROWS))
     # Padding ids match nothing (masking.py).
     row_ids = pad_seq(row_ids, row_pad, value=pad_row_id)
@@ -581,10 +517,8 @@ def backward(spec: AttentionSpec, q, k, v, out, stats: RowStats, do, dlse, q_ids
     dtype = q.dtype
     do = do.astype(dtype)
 
-    # The preprocess, in XLA: D = rowsum(dO * O) - dlse, and r = -inf (a row that saw no key)
-    # read as +inf so that its P is exactly 0. m, r and D travel together, [b, hq, 3, seq_q],
-    # padded to whole q tiles of both kernels with (m, r, D) = (0, +inf, 0): rows past seq_q
-    # (zeros from the TMA) then have P = 0 and dS = 0, with no mask.
+    # m, r, D travel together, [b, hq, 3, seq_q], padded with (0, +inf, 0); r = -inf (a row
+    # that saw no key) is read as +inf too, so such rows have P = 0 exactly.
     if delta is None:
         delta = output_dot(out, do, dlse, jnp.float32)
     r = stats.r.astype(jnp.float32)
@@ -594,10 +528,7 @@ def backward(spec: AttentionSpec, q, k, v, out, stats: RowStats, do, dlse, q_ids
                       pad_seq(r, q_mult, axis=2, value=jnp.inf),
                       pad_seq(delta, q_mult, axis=2)], axis=2)
 
-    # Mosaic GPU tiles a TMA descriptor's sequence axis by 8 rows and refuses other lengths:
-    # those are zero-padded here (one copy, only for such lengths). The kernels bound
-    # everything by the true lengths in spec.mask; the TMA reads rows past the (padded) end as
-    # zeros and drops stores there, and the gradients are sliced back.
+    # The TMA tiles the sequence axis by 8 rows; the kernels bound everything by spec.mask.
     q, do = pad_seq(q, 8), pad_seq(do, 8)
     k, v = pad_seq(k, 8), pad_seq(v, 8)
     if uses_fused(spec, q, k, cfg):
@@ -637,7 +568,6 @@ def backward(spec: AttentionSpec, q, k, v, out, stats: RowStats, do, dlse, q_ids
         scratch.append(plgpu.SMEM((wgs, WG_ROWS, bq), dtype))
     args = [q, k, v, do, rows]
     if spec.has_segments:
-        # Per key tile, the ranges run over q blocks (rows: keys, columns: queries).
         kv_ids_p, q_ids_p, cta, wg = _segment_operands(
             kv_ids, q_ids, n_kv_tiles * block_kv, pl.cdiv(seq_q, bq) * bq, cta_rows=block_kv,
             n_ctas=n_kv_tiles, block_col=bq, pad_row_id=PAD_KEY_ID, pad_col_id=PAD_QUERY_ID)

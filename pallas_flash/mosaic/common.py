@@ -1,4 +1,4 @@
-"""Pieces shared by the Mosaic GPU forward and backward kernels."""
+"""Pieces shared by the Mosaic GPU kernels: operand support, logit units, loop bounds."""
 
 from __future__ import annotations
 
@@ -20,8 +20,7 @@ SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
 def unsupported_operands(which: str, q, k, v):
-    """Why the Mosaic `which` pass ("forward", "backward") cannot take these operands (dtype,
-    head_dim, head counts), or None."""
+    """Why the Mosaic `which` pass cannot take these operands, or None."""
     q_heads, head_dim = q.shape[2:]
     kv_heads = k.shape[2]
     if jnp.dtype(q.dtype) not in SUPPORTED_DTYPES:
@@ -36,21 +35,14 @@ def unsupported_operands(which: str, q, k, v):
 
 
 def exp2_tanh(x):
-    """tanh(x) as 1 - 2 / (2^(2 x log2 e) + 1).
-
-    Under approx_math (on in these kernels, for exp2) a plain tanh lowers to tanh.approx.f32,
-    ~2^-11 off: times a softcap of 20-50 that is a logit error near 1e-2, and the m and r one
-    pass saves would no longer match the P another pass recomputes with an exact tanh. This form
-    needs only ex2.approx (a few ulps) and a division, saturates cleanly to +-1 (2 / inf = 0)
-    and keeps NaN. Its relative error near 0 is larger, but the softmax only sees absolute
-    differences of u, so the absolute error is what counts.
-    """
+    """tanh(x) as 1 - 2 / (2^(2 x log2 e) + 1): under approx_math a plain tanh is ~2^-11 off,
+    so a pass's m and r would not match another pass's P; ex2.approx is a few ulps off."""
     return 1.0 - 2.0 / (jnp.exp2(x * (2.0 * LOG2E)) + 1.0)
 
 
 def logit_units(spec: AttentionSpec, s):
-    """(u, t): a tile's raw q.k products in logit units (stats.py) and, with a softcap,
-    t = tanh(s * scale / softcap) for the chain rule (dS_raw = dS * (1 - t^2)); else t None."""
+    """(u, t): raw q.k in logit units (stats.py), and t = tanh(s * scale / softcap) for the
+    softcap's chain rule (None without one)."""
     if spec.softcap is None:
         return s, None
     t = exp2_tanh(s * (spec.scale / spec.softcap))
@@ -58,19 +50,13 @@ def logit_units(spec: AttentionSpec, s):
 
 
 def clamp_range(bounds, lo_limit, hi_limit):
-    """(lo, full_lo, full_hi, hi), each clipped into [lo_limit, hi_limit]; the order is kept.
-
-    A warpgroup's own range must lie inside what the copy warpgroup streams for the CTA, so
-    that its drain / compute / drain loops consume every streamed block exactly once.
-    """
+    """(lo, full_lo, full_hi, hi), each clipped into [lo_limit, hi_limit]: a warpgroup's
+    range inside what the copy warpgroup streams, so its loops consume every streamed block."""
     return tuple(jnp.clip(b, lo_limit, hi_limit) for b in bounds)
 
 
 def pad_seq(x, multiple: int, axis: int = 1, value=0):
-    """x padded along `axis` to a multiple of `multiple` (no copy when it already is one).
-
-    Mosaic GPU splits the sequence axis into 8-row tiles, so lengths are padded to a multiple
-    of 8; the kernels bound everything by the true lengths."""
+    """x padded along `axis` to a multiple of `multiple` (no copy when it already is one)."""
     extra = -x.shape[axis] % multiple
     if not extra:
         return x
@@ -80,16 +66,14 @@ def pad_seq(x, multiple: int, axis: int = 1, value=0):
 
 
 def narrowed(bounds, seg_ref, batch, block):
-    """Loop bounds (lo, full_lo, full_hi, hi) tightened by the segment range precomputed in XLA
-    for (batch, block), read as two scalars; unchanged without segment ids (seg_ref None)."""
+    """Loop bounds tightened by the segment range of (batch, block) (seg_ref None: none)."""
     if seg_ref is None:
         return bounds
     return with_segment_range(bounds, seg_ref[batch, block, 0], seg_ref[batch, block, 1])
 
 
 def streamed_range(bounds, seg_ref, batch, block):
-    """[lo, hi): the blocks a CTA's copy warpgroup streams, i.e. the outer bounds only. Every one
-    is consumed by each compute warpgroup (computed or drained), so the barriers stay in step."""
+    """[lo, hi): the blocks a CTA's copy warpgroup streams (the outer bounds)."""
     lo, _, _, hi = bounds
     lo, _, _, hi = narrowed((lo, lo, hi, hi), seg_ref, batch, block)
     return lo, hi
@@ -98,15 +82,8 @@ def streamed_range(bounds, seg_ref, batch, block):
 def query_tile_position(mask, n_tiles: int, cta_rows: int, block_kv: int, seg_ref,
                         cluster: int = 1, order: TileGrid | None = None):
     """(tile, head, batch, warpgroup, cta_start, cta_lo, cta_hi) of a query-tile kernel's
-    program (forward, dQ): its position (`grid_position`, last tile first under a causal bound),
-    its first query row, and the key blocks [cta_lo, cta_hi) its copy warpgroup streams: those
-    any of its rows needs (MaskSpec.kv_blocks), narrowed by the segment range where there are
-    ids. Each compute warpgroup consumes every streamed block (computing its own sub-range,
-    draining the rest), so the barriers stay in step.
-
-    With `cluster` > 1 the CTAs of a cluster share every K / V block (TMA multicast), so each
-    streams the union of their ranges; a tile wholly past seq_q (the grid is padded to whole
-    clusters) adds nothing to it."""
+    program (forward, dQ). A cluster's CTAs share every K / V block, so each streams the
+    union of their ranges (a tile wholly past seq_q adds nothing)."""
     tile, head, batch, wg = grid_position(mask, n_tiles, cluster, order)
     cta_start = tile * cta_rows
 
@@ -130,10 +107,9 @@ def query_tile_position(mask, n_tiles: int, cta_rows: int, block_kv: int, seg_re
 
 
 def stream_through_slots(issue, slot_free, stages: int, total):
-    """The copy warpgroup's loop over `total` stream steps in `stages` shared-memory slots:
-    issue(t, slot) for the first `stages` steps at once, then each later step once the compute
-    warpgroups have freed its slot, then wait for the last frees too (interpret mode checks that
-    every barrier phase is awaited)."""
+    """The copy warpgroup's loop: issue(t, slot) for `total` steps through `stages` slots,
+    each refill once the compute warpgroups freed the slot, then await the last frees too
+    (interpret mode checks every barrier phase is awaited)."""
     for s in range(stages):
         pl.when(s < total)(functools.partial(issue, jnp.int32(s), s))
 
@@ -151,12 +127,9 @@ def stream_through_slots(issue, slot_free, stages: int, total):
 
 
 def profile_params(directory: str, ranges: int) -> dict:
-    """CompilerParams arguments that make Mosaic GPU record a kernel's named scopes
-    (`jax.named_scope` in the kernel body) per warpgroup and CTA, with the SM each CTA ran on,
-    into a trace file in `directory` after each call; {} when `directory` is empty. `ranges`:
-    the most scopes one warpgroup enters in one CTA. Each costs 16 bytes of shared memory per
-    warpgroup, on top of the kernel's own. A scope changes nothing when this is off (no jaxpr
-    equation: benchmarks/jaxpr_fingerprint.py). benchmarks/kernel_trace.py reads the trace."""
+    """CompilerParams arguments recording the kernel's named scopes into a trace in
+    `directory` ({} when empty; benchmarks/kernel_trace.py reads it). `ranges`: the most scopes
+    a warpgroup enters in a CTA, 16 bytes of shared memory each."""
     if not directory:
         return {}
     return dict(profile_space=ranges, profile_dir=directory)

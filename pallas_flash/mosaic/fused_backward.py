@@ -1,70 +1,31 @@
 """The backward in one kernel for Hopper: dK/dV per key tile, dQ added across key tiles in a
 fixed order. Lowered through Pallas Mosaic GPU.
 
-Why. The two-kernel backward (backward.py) stays deterministic without atomics by computing dQ
-in a kernel of its own, which recomputes S and dP: 7 matmul units where 5 would do. At the
-rate the forward reaches that caps it near 5/7 of the forward's speed (NOTES.md, "The
-backward's ceiling"). Here the dK/dV kernel also forms dQ_partial = dS K for each q block it
-visits, and these partials are summed in global memory in a fixed order (FlashAttention-3's
-deterministic mode): 5 matmul units, bitwise-reproducible gradients.
+Why: the two-kernel backward recomputes S and dP in its dQ kernel, 7 matmul units where 5 do.
+Here the dK/dV CTA also forms dQ_partial = dS K for each q block it visits, and the partials
+are summed in global memory in a fixed order (FlashAttention-3's deterministic mode): 5 units,
+bitwise-reproducible gradients.
 
-The order. For q block j, the key tiles that see it form a contiguous range [first(j), last(j))
-(MaskSpec.kv_blocks with the CTA's 128 keys as the block; tests/test_mosaic_fused.py checks that
-this is exactly the set of tiles whose MaskSpec.q_blocks range holds j). They add in increasing
-tile order: tile t waits on a global semaphore per (batch, q head, q block) until it counts
-t - first(j) earlier contributions, then adds (the first one stores, so the buffer needs no
-zeroing), waits for its write to land and signals. A tile only ever waits on lower tiles, which
-the grid launches first (grid (head, tile, batch); Pallas launches the last axis fastest), so
-the spin cannot deadlock. Every tile walks its q blocks from the last down: with causal masks
-all tiles then start on the last q blocks, which every tile sees, and a tile trails the one
-below it by one step instead of by the two-step diagonal offset per tile that an upward walk
-would build up (reasoned from the dependency chain; the upward walk was not timed). With GQA a
-CTA streams the blocks of every q head of its group; `_fused_body` says in which order.
-Interleaving a few heads' tiles in the launch order, to start a causal grid's long tiles
-first, gained 1.4% at 8k and lost 2% at 16k at batch 2 (NOTES.md run 25): not kept there. At
-batch 1 four heads are interleaved by default (`head_chunk`), so that consecutive launches
-alternate between chains of adds, as batch 2's do (NOTES.md run 59).
+Grid: schedule.fused_grid, (head chunk, key tile, head in chunk x batch). A CTA owns 128 keys:
+  * two compute warpgroups, 64 keys each, in backward.py's transposed orientation
+    (S^T = K Q^T, P^T, dP^T = V dO^T, dS^T; dV += P^T dO, dK += dS^T Q). Both write their dS^T
+    (64 keys x 64 queries) to shared memory and then share dQ_partial = dS K over all 128 keys
+    (`alternates`), stored to a float32 dQ tile (`fused_dq_slots` slots; dS^T is
+    double-buffered by step parity);
+  * a copy warpgroup streams Q, dO and the row statistics;
+  * a writer warpgroup moves each dQ tile to global memory: semaphore wait, TMA store (first
+    tile) or TMA reduce-add (float32, in L2), wait for the read, free the slot, wait for the
+    landing, signal.
+The order: the key tiles that see q block j are a range [first(j), last(j)) (MaskSpec.kv_blocks
+with 128-key blocks); tile t waits on a semaphore per (batch, q head, q block) until it counts
+t - first(j) adds. A tile waits only on lower tiles, which launch first, so the spin cannot
+deadlock. Tiles walk their q blocks last first: under a causal mask every tile then starts on
+blocks all tiles see, one step behind the tile below.
 
-The CTA. 128 key rows, four warpgroups:
-  * two compute warpgroups, 64 key rows each, in the transposed orientation of backward.py
-    (S^T = K Q^T, P^T, dP^T = V dO^T, dS^T; dV += P^T dO, dK += dS^T Q). Each writes its dS^T
-    (64 keys x 64 queries) to shared memory, and after a barrier both halves are there, each
-    computes half the *columns* of dQ_partial = dS K over all 128 keys (64 x head_dim / 2,
-    float32) and stores it to the shared dQ tile (at head_dim 64 they take turns instead, one
-    step each, the whole tile: `alternates`);
-  * one copy warpgroup streams Q, dO and the row statistics (as in backward.py);
-  * one writer warpgroup moves each finished dQ tile to global memory in turn: semaphore wait,
-    TMA store or TMA reduce-add (float32, in L2), wait, signal.
-dS^T is double-buffered by step parity (a warpgroup may start step s + 1 while the other still
-reads step s's halves); the dQ tile has `fused_dq_slots` slots.
-
-Where it serves: bfloat16, head_dim 128 and 64, no segment ids (backward.py falls back to the
-two-kernel path otherwise; see `unsupported_reason`); the default at both head_dims
-(backward.py's default_backward_config). float16 would
-need the per-row rescale of dS (backward.py's `_cast_rows`) folded into dQ; segment ids make
-the contributing tiles of a q block data-dependent, not a range the kernel can compute;
-head_dim 256 does not fit shared memory in this layout.
-
-Speed (H200, batch 2, seq 8192, kernel alone, non-causal / causal TFLOP/s; NOTES.md runs
-19-27): 16 heads at head_dim 128 492-504 / 443-447 (0.87-0.93 / 0.86-0.88x cuDNN; the two
-kernels 413-428 / 421-429); 32 heads at head_dim 64 389 / 352 (0.85 / 0.86x; two kernels 329 /
-333); GQA 32:8 at head_dim 128 causal 460 (0.90x; two kernels 429).
-
-The writer hands a dQ slot back as soon as the TMA has read it, and signals the next tile only
-once the sum has landed: +0.2-3.0% non-causal, equal causal, against freeing the slot after the
-landing (NOTES.md run 33). Also timed there and dropped, each a loss somewhere: one dS^T buffer
-with a second dQ slot (-6% / -19% non-causal / causal at 8k), the dQ product deferred a step so
-that the compute warpgroups need not meet every step (0 / -0.7%), and P^T formed while dP^T
-runs (+1.6% / -16%).
-
-The partials are scaled before they are summed; the float32 sum is cast in XLA after the
-kernel, and q blocks no tile sees (never written) are zeroed there.
-
-CPU testing: the Mosaic GPU interpreter allocates no semaphores and has no TMA reduction. It
-runs the grid one CTA after another in index order, so the tiles of a q block arrive in the
-kernel's order anyway; there the writer reads the previous sum, adds, and stores. The compiled
-path (semaphores, reduce-add, registers) is covered on the CPU by the sm_90 lowering test only,
-and ran the same tests compiled on the H200 (NOTES.md runs 19-28).
+Serves bfloat16, head_dim 64 / 128, no segment ids (`unsupported_reason`): float16 needs
+backward.py's per-row dS rescale, segment ids make the contributing tiles data-dependent, and
+head_dim 256 does not fit shared memory. Interpret mode has no semaphores and no reduce-add; it
+runs CTAs in index order, so its writer reads the previous sum, adds and stores.
 """
 
 from __future__ import annotations
@@ -99,17 +60,10 @@ HEAD_DIMS = (64, 128)
 
 
 def alternates(head_dim: int) -> bool:
-    """How the two compute warpgroups share the dQ product dS K (64 q rows x head_dim, over
-    the CTA's 128 keys), once both have put their dS^T in shared memory.
-
-    By columns (head_dim 128): each takes head_dim / 2 columns, every step. By turns (head_dim
-    64): the warpgroup whose index is the step's parity takes the whole product, the other
-    none. The column split would slice K into 32-column halves at head_dim 64, which Mosaic's
-    layout inference refuses (jax 0.11.2); turns at head_dim 128 would hold a 64 x 128 float32
-    accumulator beside dK and dV, over the register budget. (A split by keys, each warpgroup
-    summing over its own 64 keys and the writer adding both partials, ran slower than the
-    two-kernel backward at head_dim 64: 254 / 272 TFLOP/s causal / not against 334 / 326,
-    NOTES.md run 25; its writer made two ordered adds per step.)"""
+    """How the two compute warpgroups share dQ_partial = dS K: by columns at head_dim 128
+    (each head_dim / 2, every step), by turns at head_dim 64 (the warpgroup of the step's
+    parity does all of it). Mosaic's layout inference refuses 32-column halves of K; a 64 x 128
+    float32 accumulator beside dK and dV exceeds the registers."""
     return head_dim < 128
 
 
@@ -142,16 +96,10 @@ def _fused_body(q_ref, k_ref, v_ref, do_ref, st_ref, dk_ref, dv_ref, dq_ref,
     tile, kv_head, batch, wg = fused_position(mask, chunk, batch_size)
     kv_start = tile * CTA_KEYS
 
-    # The q blocks any key of the CTA sees, last block first, once per q head of the group.
-    # With a position mask (causal, windows) tiles see different numbers of blocks, and the
-    # stream is block-major (at each block the group's q heads in turn), so that every tile
-    # reaches a given (q head, q block) at the same step index and trails the tile below it by
-    # one add, as without GQA. Head-major, a tile with fewer blocks per head would reach the
-    # next head two steps sooner than the tile below it and wait for it there: causal GQA 32:8
-    # ran at 0.59x cuDNN that way (NOTES.md run 26), block-major at 0.86x (run 27). Without a
-    # position mask every tile sees every block and the orders are the same schedule; there the
-    # stream stays head-major, which ran faster (0.84x against 0.72x, runs 26-27; the
-    # block-major loop nest is the only difference).
+    # The CTA's q blocks, last first, once per q head of the group. With a position mask tiles
+    # see different numbers of blocks: block-major (at each block the group's heads in turn)
+    # keeps every tile one add behind the tile below; head-major would make a tile wait at each
+    # head change. Without one both orders are the same schedule, and head-major is faster.
     block_major = group > 1 and mask.has_position_mask
     cta_lo, _, _, cta_hi = mask.q_blocks(kv_start, CTA_KEYS, BLOCK_Q, mask.seq_kv, mask.seq_q)
     n_cta = cta_hi - cta_lo
@@ -210,8 +158,7 @@ def _fused_body(q_ref, k_ref, v_ref, do_ref, st_ref, dk_ref, dv_ref, dq_ref,
 
             def slot_released():
                 dslot = lax.rem(t, jnp.int32(slots))
-                # Every waiter observes every release (barrier phases are counted per waiter),
-                # so in turns both warpgroups wait, the one that writes and the one that does not.
+                # Barrier phases are counted per waiter: in turns both warpgroups wait.
                 with jax.named_scope("slot_wait"):
                     pl.when(t >= slots)(lambda: plgpu.barrier_wait(dq_free.at[dslot]))
                 return dslot
@@ -263,8 +210,7 @@ def _fused_body(q_ref, k_ref, v_ref, do_ref, st_ref, dk_ref, dv_ref, dq_ref,
             return dk, dv
 
         def drain(h, i):
-            # A block only the other warpgroup sees: release the stream slot and add nothing
-            # to dQ (the exchange still needs this half).
+            # A block only the other warpgroup sees: the exchange still needs a (zero) half.
             t = step_of(h, i)
             slot = lax.rem(t, jnp.int32(stages))
             plgpu.barrier_wait(q_loaded.at[slot])
@@ -310,13 +256,12 @@ def _fused_body(q_ref, k_ref, v_ref, do_ref, st_ref, dk_ref, dv_ref, dq_ref,
                                  carry)
                 downward(cta_lo, lo, heads(drained), None)
                 dk, dv = carry
-        # Observe the writer's last releases (interpret mode checks every phase is awaited).
+        # Await the writer's last releases (interpret mode checks every phase is awaited).
         with jax.named_scope("writer_tail"):
             lax.fori_loop(
                 jnp.maximum(total - slots, 0), total,
                 lambda t, _: plgpu.barrier_wait(dq_free.at[lax.rem(t, jnp.int32(slots))]), None)
-        # Both warpgroups' last dQ products read both K tiles: only then may K's buffer carry
-        # dK out.
+        # Both warpgroups' last dQ products read both K tiles before K's buffer carries dK out.
         with jax.named_scope("store"):
             plgpu.barrier_arrive(both_done)
             plgpu.barrier_wait(both_done)
@@ -386,8 +331,6 @@ def _fused_body(q_ref, k_ref, v_ref, do_ref, st_ref, dk_ref, dv_ref, dq_ref,
                 pl.when(rank == 0)(lambda: plgpu.copy_smem_to_gmem(src, dq_ref.at[rows]))
                 pl.when(rank > 0)(lambda: plgpu.copy_smem_to_gmem(
                     src, dq_ref.at[rows], reduction_op="add"))
-                # The slot may take the next partial once the copy has read it; the next tile
-                # may add only once the sum has landed.
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
                 plgpu.barrier_arrive(dq_free.at[dslot])
                 plgpu.wait_smem_to_gmem(0)  # the sum has landed
@@ -472,27 +415,17 @@ def _fused(q, k, v, do, rows, *, spec: AttentionSpec, cfg):
                           batch_size=batch),
         out_type=(kv_shape, kv_shape, jax.ShapeDtypeStruct(q.shape, jnp.float32)),
         scratch_types=scratch,
-        # Pallas launches the last grid axis fastest: here batch, then tile, then head. Tiles
-        # of one (head, batch) launch in increasing order (a tile waits only on lower ones),
-        # and a wave holds all tiles of a head or two, which add into the same float32 dQ
-        # rows while those stay in L2. Measured on the H200 (2x8192x16, non-causal / causal
-        # TFLOP/s): this order 503.6 / 443.1 (run 19); tile slowest 450.4 / 450.6 (run 21: a
-        # wave spans 32 heads, and their dQ sums, 128 MB, no longer fit L2); tile fastest
-        # 494.1 / 412.5 (run 20). With a head chunk (`head_chunk`), the chunk's heads take
-        # turns within each tile as the batch does.
         grid=fused_grid(kv_heads, n_tiles, batch, chunk),
         grid_names=("head", "tile", "batch"),
         num_threads=4,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(
             approx_math=True,
-            # Scopes entered once a step (slot_wait, ds_wait), and a few more.
             **profile_params(cfg.fused_profile_dir, 2 * n_qblocks * group + 8)),
         interpret=plgpu.InterpretGPUParams() if spec.interpret else None,
         kernel_name=FUSED_KERNEL_NAME,
     )(q, k, v, do, rows)
-    # q blocks that no tile sees were never written: their dQ is 0. (The ranges are static:
-    # computed here at trace time, so the select exists only for masks that need it.)
+    # q blocks no tile sees were never written: zeroed (static ranges: only where needed).
     with jax.ensure_compile_time_eval():
         first, last = fused_first_tiles(mask, n_qblocks)
         seen = np.repeat(np.asarray(last > first), BLOCK_Q)[:seq_q8]

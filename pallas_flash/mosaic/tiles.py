@@ -1,6 +1,5 @@
-"""Register-tile helpers shared by the Mosaic GPU backward kernels (backward.py, fused_backward.py):
-broadcasts of per-row / per-column vectors in the wgmma layouts, fresh accumulators, and the two
-wgmma forms (operand in registers accumulating in place; both operands in shared memory)."""
+"""Register-tile helpers of the Mosaic backward kernels: wgmma-layout broadcasts and
+accumulators, the two wgmma forms, and the transposed recomputation of P^T and dS^T."""
 
 from __future__ import annotations
 
@@ -31,11 +30,8 @@ def zeros_acc(rows, cols):
 
 
 def product(acc, a, b_ref, *, interpret: bool, stage_ref=None):
-    """acc + a @ b_ref by wgmma; a is an array in registers (WGMMA layout, input dtype).
-
-    Compiled: a stays in registers and the product accumulates in place. Interpret mode takes
-    neither, so a goes through `stage_ref` in shared memory and a fresh product is added.
-    """
+    """acc + a @ b_ref by wgmma, a in registers, accumulating in place. Interpret mode takes
+    neither: a goes through `stage_ref` in shared memory and a fresh product is added."""
     if not interpret:
         def accumulate(acc_ref):
             plgpu.wgmma(acc_ref, a, b_ref)
@@ -79,21 +75,12 @@ def idiv(x, d: int):
 
 def transposed_weights(spec, c, k_tile, v_tile, q_blk, do_blk, st, shape, *, wait_q, wait_do,
                        visible_fn=None):
-    """(P^T, dS^T), float32, for one step of a dK/dV-style loop in the transposed orientation
-    (rows: the warpgroup's keys; columns: the streamed queries). The backward kernels' shared
-    recomputation:  S^T = K Q^T,  P^T = 2^((S^T - m) c - r),  dP^T = V dO^T,
-    dS^T = P^T (dP^T - D)  (times 1 - t^2 with a softcap).
-
-    st: the step's [3, block_q] m / r / D in shared memory. wait_q / wait_do: wait for Q and the
-    statistics, and for dO (called just before each is read). visible_fn: None for a block seen
-    whole, else a function giving the boolean visibility (or None: no mask after all); P^T and
-    dS^T are zeroed outside it (dS^T even where dP^T is NaN).
-
-    The two products run one after the other, P^T formed between them. Issuing dP^T right
-    behind S^T and forming P^T while it runs (the forward's overlap) was timed on the H200 in
-    the fused kernel and in the two-kernel dK/dV kernel and lost: causal head_dim 128 -14 to
-    -16%, head_dim 256 -4% (NOTES.md run 33).
-    """
+    """(P^T, dS^T), float32, for one step of a dK/dV loop (rows: keys; columns: queries):
+        S^T = K Q^T,  P^T = 2^((S^T - m) c - r),  dP^T = V dO^T,  dS^T = P^T (dP^T - D).
+    st: the step's [3, block_q] m / r / D in shared memory; wait_q / wait_do: called just before
+    Q (with st) and dO are read; visible_fn: None for a block seen whole, else a function giving
+    the visibility (or None), outside which P^T and dS^T are zero. The products run one after
+    the other: issuing dP^T behind S^T to form P^T meanwhile is slower (docs/tuning.md)."""
     wait_q()
     p_t, t_t, visible = transposed_probabilities(spec, c, k_tile, q_blk, st, shape, visible_fn)
     wait_do()

@@ -167,9 +167,7 @@ def backward(spec: AttentionSpec, q, k, v, out, stats: RowStats, do, dlse, q_ids
     stats: the forward's row statistics (stats.RowStats); dlse: the cotangent of the public lse
     (zeros if unused).
     delta: the preprocess's D (stats.output_dot in the accumulator dtype), if already formed.
-    skip, into: a predicated launch of both kernels (common.predicated): skip a boolean scalar,
-    into (dq, dk, dv) of this function's shapes and dtypes; the result is `into` when skip is
-    true. Both or neither.
+    skip, into: a predicated launch of both kernels (common.predicated), both or neither.
     """
     if (skip is None) != (into is None):
         raise ValueError("skip and into are given together or not at all")

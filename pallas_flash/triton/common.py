@@ -1,22 +1,9 @@
 """In-kernel pieces shared by the Triton forward and backward kernels.
 
-Conventions every kernel here follows:
-
-* Refs cover a whole sequence of one (batch, head); kernels slice tiles with `pl.ds` and mask
-  the rows past the end themselves. The Triton lowering turns tile reads into raw pointer
-  offsets with no bounds check (on our H200 an unmasked 100-row array read with 64-row tiles
-  came back wrong), so every load and store of a possibly partial tile carries a row mask.
-* head_dim is padded to a power of two (the lowering only builds power-of-two tensors) and the
-  padding columns are masked on load (read as 0, which adds nothing to q.k) and on store.
-* Logits stay in *logit units* u (the raw q.k, or tanh(q.k * scale / softcap)); a weight is
-  2^((u - m) * c) with c = logit_scale * log2(e), so the softmax uses exp2, one instruction on the
-  GPU, and u - m is formed before any scaling, exactly near the row maximum (stats.py says why).
-* A masked weight is 0, but 0 * NaN is NaN: on masked tiles, non-finite operand entries are
-  replaced by 0 before a block matmul (`finite_or_zero`), and the visible pairs that used them
-  are marked NaN by other means, so a NaN or inf input reaches exactly the rows that depend on
-  it. No extra matmul: a 0/1 product that would keep columns exact as well needs a block in
-  shared memory that the default forward tile does not have (262144 > 232448 bytes on our H200).
-"""
+Tile reads are unchecked pointer offsets: every load and store of a partial tile is row-masked.
+head_dim is padded to a power of two, the only size the lowering builds. On masked tiles,
+non-finite operand entries are zeroed before a block matmul (0 * NaN is NaN) and the visible
+pairs that used them marked NaN: a NaN input reaches exactly the rows that depend on it."""
 
 from __future__ import annotations
 
@@ -59,17 +46,14 @@ def row_positions(start, block: int):
 
 
 def _tile(ref, start, block: int, head=None):
-    # One indexer per access: the Triton lowering takes no chained `.at[...]` ("No support for
-    # multiple indexers yet"). Every start is int32: under jax_enable_x64 a bare `:` would be an
-    # int64 start next to our int32 ones, and Pallas rejects mixed index dtypes.
+    # One indexer (no chained `.at`), int32 starts (a bare `:` is int64 under x64).
     rows = pl.ds(start, block)
     cols = pl.ds(jnp.int32(0), ref.shape[-1])
     return ref.at[rows, cols] if head is None else ref.at[rows, head, cols]
 
 
 def load_tile(ref, start, block: int, n_rows: int, cols, *, head=None, other=0.0):
-    """Rows [start, start + block) of a [seq, head_dim_padded] ref (or [seq, heads, hdp] at
-    `head`); rows >= n_rows read `other`."""
+    """Rows [start, start + block) of a [seq, (heads,) d] ref; rows >= n_rows read `other`."""
     rows_ok = (row_positions(start, block) < n_rows)[:, None]
     mask = rows_ok if cols is None else rows_ok & cols
     return plgpu.load(_tile(ref, start, block, head), mask=mask, other=other)
@@ -82,8 +66,7 @@ def store_tile(ref, start, block: int, n_rows: int, cols, value):
 
 
 def load_vector(ref, start, block: int, n_rows: int, *, head=None, other):
-    """Entries [start, start + block) of a [seq] ref (lse, delta, segment ids), or of row
-    `head` of a [heads, seq] ref."""
+    """Entries [start, start + block) of a [seq] ref, or of row `head` of a [heads, seq] one."""
     ok = row_positions(start, block) < n_rows
     index = pl.ds(start, block)
     view = ref.at[index] if head is None else ref.at[head, index]
@@ -106,10 +89,7 @@ def exp2_factor(spec: AttentionSpec) -> float:
 
 
 def logits(spec: AttentionSpec, q, k):
-    """Logits of a tile in logit units, and tanh(logits / softcap) for the backward's chain rule.
-
-    Returns (u [block_q, block_kv], t or None): u = q.k, or u = t with a softcap.
-    """
+    """(u, t): a tile's logits in logit units, and t = tanh(q.k scale / softcap) or None."""
     s = dot(spec, q, k, trans_b=True)
     if spec.softcap is None:
         return s, None
@@ -126,12 +106,8 @@ def tile_visible(spec: AttentionSpec, q_pos, k_pos, q_ids=None, kv_ids=None):
 
 
 def split_refs(refs, n_inputs: int, has_segments: bool):
-    """Kernel refs -> (inputs, segment refs, outputs).
-
-    Every kernel here takes its dense inputs first, then, with segment ids, four more refs (the
-    query ids, the key ids, and this tile's [lo, hi) block range), then its outputs. The segment
-    refs come back as four Nones without segment ids.
-    """
+    """Kernel refs -> (inputs, segment refs, outputs): with segment ids four refs follow the
+    inputs (query ids, key ids, the tile's [lo, hi) block range); else four Nones."""
     inputs, rest = refs[:n_inputs], refs[n_inputs:]
     if has_segments:
         return inputs, rest[:4], rest[4:]
@@ -139,10 +115,7 @@ def split_refs(refs, n_inputs: int, has_segments: bool):
 
 
 def segment_operands(q_ids, kv_ids, lo, hi):
-    """BlockSpecs and operands that `split_refs` expects after the dense inputs.
-
-    All grids here are (tile, batch, head): the id rows are per batch, the range per tile.
-    """
+    """BlockSpecs and operands that `split_refs` expects, for grids (tile, batch, head)."""
     whole_row = lambda seq: pl.BlockSpec((None, seq), lambda t, b, h: (b, 0))  # noqa: E731
     per_tile = pl.BlockSpec((None, None), lambda t, b, h: (b, t))
     specs = [whole_row(q_ids.shape[1]), whole_row(kv_ids.shape[1]), per_tile, per_tile]
@@ -155,8 +128,7 @@ def any_along(mask, axis: int):
 
 
 def zero_unseen_rows(x, seen):
-    """Rows of an operand tile that no pair of the tile uses, set to 0 (garbage in padding or in
-    rows a tile never attends must not reach the block matmuls)."""
+    """Rows of an operand tile that no pair of the tile uses, set to 0."""
     return jnp.where(seen[:, None], x, jnp.zeros_like(x))
 
 
@@ -171,15 +143,8 @@ def nonfinite_rows(x):
 
 
 def scaled_for_cast(x, dtype):
-    """(x / f, f) with f >= 1 chosen so that x / f fits `dtype`; f = 1 unless dtype is float16.
-
-    The backward casts dS to the input dtype for the dS.K and dS^T.Q products. float16 tops out
-    at 65504, and |dS| exceeds that when |v| is near float16's maximum; bfloat16 and float32
-    have float32's range. So a float16 tile whose largest |dS| passes 2^14 is divided by
-    max|dS| / 2^14 and the float32 product multiplied back: no overflow, and the division costs
-    only float32 rounding (2^-24), far below float16's 2^-11. A NaN or inf max keeps f = 1, so
-    non-finite values stay where they are instead of spreading over the tile.
-    """
+    """(x / f, f), f >= 1: a float16 dS tile whose max |dS| passes 2^14 is divided down to it
+    before its cast, and the product multiplied back (a non-finite max keeps f = 1)."""
     if jnp.dtype(dtype) != jnp.float16:
         return x.astype(dtype), None
     limit = 2.0 ** 14
@@ -193,13 +158,7 @@ def unscale(x, f):
 
 
 def clamp_to_dtype(x, dtype):
-    """float16 outputs: finite values just past 65504 (rounding) clamped to +-65504.
-
-    O is a convex combination of rows of v, so |O| <= max |v| <= 65504 exactly; but P is rounded
-    to float16 for P.V while the denominator sums the float32 weights, so a computed |O| can land
-    a few ulps above 65504 and round to inf. Only finite values move: an inf (from an inf input)
-    and NaN stay as they are.
-    """
+    """float16 O: finite values rounded just past 65504 clamped to +-65504."""
     if jnp.dtype(dtype) != jnp.float16:
         return x
     over = (jnp.abs(x) > F16_MAX) & (jnp.abs(x) < jnp.inf)
@@ -214,11 +173,8 @@ def block_range(bounds, seg_lo_ref, seg_hi_ref):
 
 
 def three_phase_loop(bounds, body, carry):
-    """Runs body(j, carry, masked) over [lo, hi), unmasked on [full_lo, full_hi).
-
-    Paying for the mask only on the edge blocks, as the Triton tutorial does with its stage
-    flag, is what lets the interior of a causal or windowed tile run at the dense speed.
-    """
+    """Runs body(j, carry, masked) over [lo, hi), unmasked on [full_lo, full_hi): only the
+    edge blocks pay for the mask (the Triton tutorial's stage flag)."""
     lo, full_lo, full_hi, hi = bounds
     carry = jax.lax.fori_loop(lo, full_lo, lambda j, c: body(j, c, True), carry)
     carry = jax.lax.fori_loop(full_lo, full_hi, lambda j, c: body(j, c, False), carry)
@@ -226,18 +182,9 @@ def three_phase_loop(bounds, body, carry):
 
 
 def predicated(kernel, in_specs, args, out_specs, out_shape, skip, into):
-    """(kernel, in_specs, args, input_output_aliases) for a pallas_call launched predicated on
-    `skip` (a boolean scalar), or the arguments unchanged when skip is None.
-
-    Predicated: every program first reads the flag and returns at once when it is set, and
-    the outputs alias `into` (arrays of out_shape's shapes and dtypes), so a skipped launch
-    leaves `into` as the result and a launch that is not skipped writes every output entry
-    (every kernel here stores its whole output). pallas_flash/guarded.py launches the Triton
-    kernels so after the Mosaic ones: no branch, so no host round trip for a predicate.
-    `kernel` takes `tile=` (its program id on grid axis 0), read here outside the flag's
-    branch: Pallas's interpret mode (jax 0.11.2) substitutes program_id only outside control
-    flow.
-    """
+    """(kernel, in_specs, args, aliases) for a pallas_call whose programs return at once when
+    `skip` is set, its outputs aliasing `into` (guarded.py: no branch). `kernel` takes `tile=`,
+    read outside the branch (interpret mode substitutes program_id only outside control flow)."""
     if (skip is None) != (into is None):
         raise ValueError("skip and into are given together or not at all")
     if skip is None:

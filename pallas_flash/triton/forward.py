@@ -1,20 +1,16 @@
 """Forward kernel, lowered through Pallas Triton: O and the row statistics (m, r).
 
 Grid: (query blocks, batch, q_heads). Each program owns block_q query rows of one (batch, head)
-and walks the key/value blocks of that head's kv head (head // group, so GQA/MQA never copies
-K/V) with the online softmax of FlashAttention-2, in logit units u (stats.py) and base 2:
-
+and walks the key/value blocks of its kv head (head // group: GQA never copies K/V) with
+FlashAttention-2's online softmax, in logit units u (stats.py) and base 2:
     m_j   = max(m_{j-1}, rowmax(U_j))                  U_j = Q K_j^T (or its tanh, softcapped)
     l_j   = l_{j-1} * 2^((m_{j-1} - m_j) c) + rowsum(2^((U_j - m_j) c))
     acc_j = acc_{j-1} * 2^((m_{j-1} - m_j) c) + 2^((U_j - m_j) c) V_j
     O = acc / l,    r = log2 l,    c = logit_scale * log2(e)
 
-Key blocks that no query of the tile may see are never visited (masking.py gives the range);
-blocks that every query sees fully skip the mask. A row that sees no key keeps m = -inf and
-l = 0, and leaves with O = 0, m = 0 and r = -inf: the running max is replaced by 0 wherever it
-is still -inf, so no inf - inf is ever formed.
-
-Predicated launch (`skip` and `into`, for pallas_flash/guarded.py): common.predicated.
+Only the key blocks masking.py's range gives are visited, unmasked where every query sees
+them whole. A row that sees no key leaves with O = 0, m = 0 and r = -inf: the running max is
+read as 0 while it is -inf, so no inf - inf is formed.
 """
 
 from __future__ import annotations
@@ -74,8 +70,7 @@ def _forward_kernel(*refs, spec: AttentionSpec, block_q: int, block_kv: int, hea
         p = jnp.exp2((u - m_safe[:, None]) * c)
         l = l * alpha + jnp.sum(p, axis=1)
         if poison is not None:
-            # The visible pairs whose value row held a NaN or inf carry NaN into P.V (not into
-            # l: v cannot change lse), so exactly the rows that see it turn NaN.
+            # Visible pairs whose V row is non-finite carry NaN into P V (not into l).
             p = jnp.where(poison, jnp.nan, p)
         acc = acc * alpha[:, None] + common.dot(spec, p.astype(v.dtype), v)
         return acc, m_new, l
@@ -103,11 +98,8 @@ def forward(spec: AttentionSpec, q, k, v, q_ids=None, kv_ids=None, *, skip=None,
     """O [batch, seq_q, q_heads, head_dim] and the row statistics (stats.RowStats, each
     [batch, q_heads, seq_q]).
 
-    q_ids/kv_ids: int32 [batch, seq] segment ids, with padding folded in (masking.py); given
-    exactly when spec.has_segments.
-    skip, into: a predicated launch (common.predicated): skip a boolean scalar, into (O,
-    RowStats) of this function's shapes and dtypes; the result is `into` when skip is true.
-    Both or neither.
+    q_ids/kv_ids: int32 [batch, seq] segment ids (masking.py), exactly when spec.has_segments.
+    skip, into: a predicated launch (common.predicated), both or neither.
     """
     batch, seq_q, q_heads, head_dim = q.shape
     seq_kv, kv_heads = k.shape[1], k.shape[2]
