@@ -128,7 +128,7 @@ PRESETS = {
     # Head dim 128 and 4k-byte contexts, where flash attention matters: the naive
     # [batch, heads, seq, seq] float32 scores would take 3.2 GB per layer. bfloat16 compute with
     # float32 master weights (the cast happens inside the loss). 400 steps are about nine passes
-    # over the training text; much longer and the validation loss turns back up (overfitting).
+    # over the training text; much longer runs begin to overfit a text this small.
     "gpu": Config(
         d_model=768, n_layers=8, n_heads=6, n_kv_heads=2, mlp_ratio=4, seq=4096, batch=8,
         steps=400, lr=2e-3, warmup=40, weight_decay=0.1, clip=1.0, dtype="bfloat16",
