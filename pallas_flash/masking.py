@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-__all__ = ["MaskSpec", "make_mask_spec", "CausalAlignment"]
+__all__ = ["MaskSpec", "make_mask_spec", "CausalAlignment", "segment_ids_from_cu_seqlens"]
 
 CausalAlignment = Literal["top_left", "bottom_right"]
 
@@ -248,3 +248,64 @@ def segment_block_ranges(row_ids, col_ids, block_row: int, block_col: int):
     lo = jax.vmap(lambda a, x: jnp.searchsorted(a, x, side="left"))(max_so_far, row_min)
     hi = jax.vmap(lambda a, x: jnp.searchsorted(a, x, side="right"))(min_from_right, row_max)
     return lo.astype(jnp.int32), hi.astype(jnp.int32)
+
+
+def segment_ids_from_cu_seqlens(
+    cu_seqlens: jax.typing.ArrayLike,
+    seq_q: int,
+    cu_seqlens_kv: jax.typing.ArrayLike | None = None,
+    seq_kv: int | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """Segment ids for packed sequences given flash-attn style cumulative lengths.
+
+        q_ids, kv_ids = segment_ids_from_cu_seqlens(cu_seqlens, total)
+        out = flash_attention(q[None], k[None], v[None], causal=True,
+                              q_segment_ids=q_ids, kv_segment_ids=kv_ids)
+
+    Sequence i occupies rows ``cu_seqlens[i] <= p < cu_seqlens[i + 1]`` and gets id i. Rows
+    before ``cu_seqlens[0]`` or from ``cu_seqlens[-1]`` on are padding: a padded query gets an
+    id no key has and a padded key one no query has (the ids `fold_lengths` uses), so padded
+    queries see nothing (output 0, zero gradients) and padded keys are never seen. With one
+    shared packing (self-attention), ``causal=True`` is causal within each sequence, as in
+    flash-attn's varlen functions.
+
+    Args:
+      cu_seqlens: int [num_seqs + 1] (one packed row) or [batch, num_seqs + 1] (a packed row
+        per batch element), non-decreasing, usually starting at 0; checked when concrete.
+      seq_q: the packed query length (total tokens, padding included), a static int.
+      cu_seqlens_kv, seq_kv: the same for the keys when they are packed differently (cross
+        attention); default: those of the queries.
+
+    Returns:
+      int32 q_ids [1 or batch, seq_q] and kv_ids [1 or batch, seq_kv], for the
+      `q_segment_ids` and `kv_segment_ids` of `flash_attention`.
+    """
+    if cu_seqlens_kv is None:
+        if seq_kv is not None:
+            raise ValueError("seq_kv is given without cu_seqlens_kv")
+        cu_seqlens_kv, seq_kv = cu_seqlens, seq_q
+    elif seq_kv is None:
+        raise ValueError("cu_seqlens_kv needs seq_kv, its packed length")
+    return (_ids_from_cu_seqlens("cu_seqlens", cu_seqlens, "seq_q", seq_q, PAD_QUERY_ID),
+            _ids_from_cu_seqlens("cu_seqlens_kv", cu_seqlens_kv, "seq_kv", seq_kv, PAD_KEY_ID))
+
+
+def _ids_from_cu_seqlens(name, cu_seqlens, length_name, length, pad_id):
+    if isinstance(length, bool) or not isinstance(length, int) or length < 1:
+        raise ValueError(f"{length_name} must be a positive int, got {length!r}")
+    cu = jnp.asarray(cu_seqlens)
+    if cu.ndim not in (1, 2) or cu.shape[-1] < 2 or not jnp.issubdtype(cu.dtype, jnp.integer):
+        raise ValueError(f"{name} must be an integer array [num_seqs + 1] or [batch, num_seqs "
+                         f"+ 1] with num_seqs >= 1, got shape {cu.shape} and dtype {cu.dtype}")
+    if not isinstance(cu, jax.core.Tracer):
+        values = jax.device_get(cu)
+        if (values[..., 1:] < values[..., :-1]).any() or values.min() < 0:
+            raise ValueError(f"{name} must be non-negative and non-decreasing, got {values}")
+        if values.max() > length:
+            raise ValueError(f"{name} ends at {values.max()}, past {length_name} = {length}")
+    rows = jnp.atleast_2d(cu).astype(jnp.int32)
+    pos = jnp.arange(length, dtype=jnp.int32)
+    # Row p belongs to the last sequence that starts at or before it.
+    seq = jax.vmap(lambda c: jnp.searchsorted(c, pos, side="right"))(rows) - 1
+    inside = (seq >= 0) & (seq < rows.shape[1] - 1)
+    return jnp.where(inside, seq, jnp.int32(pad_id)).astype(jnp.int32)

@@ -4,17 +4,19 @@
 
 Same parameters, shapes, defaults and results as `jax.nn.dot_product_attention` (jax 0.11), with
 `implementation=None` meaning "our Pallas kernels where they can serve the call, XLA where they
-cannot". Everything the kernels do not implement (a dense `bias`, a dense boolean `mask`, ...)
-is handed, unchanged, to ``jax.nn.dot_product_attention(..., implementation="xla")``; the list
-is in the docstring below. The only numerical difference from jax.nn is for query rows that see
-no key at all (see "Rows that see no key" below).
+cannot", plus tokamax's `logits_soft_cap`. A dense boolean `mask` is served by the kernels when
+it is causal, padding, packed segments or a product of these (`_recognise` derives the segment
+ids from the mask and checks them against it); everything else the kernels do not implement is
+handed to XLA, with a warning, once per process, that XLA materialises the T x S logits.
 """
 
 from __future__ import annotations
 
+import functools
 import math
+import warnings
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal, overload
 
 import jax
 import jax.numpy as jnp
@@ -23,15 +25,91 @@ from jax import lax
 
 from pallas_flash.attention import flash_attention
 from pallas_flash.config import FlashConfig
+from pallas_flash.masking import PAD_KEY_ID, PAD_QUERY_ID, make_mask_spec
 from pallas_flash.validation import MAX_HEAD_DIM
 
-__all__ = ["dot_product_attention", "IMPLEMENTATIONS"]
+__all__ = ["dot_product_attention", "IMPLEMENTATIONS", "FallbackWarning"]
 
 # None: the kernels, falling back to XLA for what they cannot serve. "pallas": the kernels or a
 # ValueError. "xla" / "cudnn": jax.nn.dot_product_attention with that implementation, verbatim.
 IMPLEMENTATIONS = (None, "pallas", "xla", "cudnn")
 
 _KERNEL_DTYPES = tuple(jnp.dtype(d) for d in (jnp.bfloat16, jnp.float16, jnp.float32))
+
+# What `_recognise` finds a mask to be: the branch of the run-time switch that serves it.
+_PLAIN, _CAUSAL, _FALLBACK = 0, 1, 2
+# The XLA fallback for a mask works through the queries in chunks of at most this many float32
+# logits, or of a quarter of the mask's [B, T, S] elements (as many bytes as the mask), whichever
+# is larger: under jit the fallback is a branch of a switch, and XLA reserves the memory of
+# every branch, taken or not.
+_FALLBACK_CHUNK_ELEMENTS = 2**22
+_UNRECOGNISED_MASK = "a mask that is not causal, padding, packed segments or their product"
+
+
+class FallbackWarning(UserWarning):
+    """A call to `dot_product_attention` is served by XLA instead of the flash kernels."""
+
+
+# Reasons already warned about: each is reported once per process.
+_WARNED: set[str] = set()
+
+
+def _warn_fallback(reasons: dict[str, str], *, stacklevel: int = 3) -> None:
+    new = [text for key, text in reasons.items() if key not in _WARNED]
+    if not new:
+        return
+    _WARNED.update(reasons)
+    warnings.warn(
+        "pallas_flash.dot_product_attention falls back to XLA (" + "; ".join(new) + "), which "
+        "materialises the attention logits, T x S per head, instead of running the flash "
+        "kernels. Shown once per process for each reason.",
+        FallbackWarning, stacklevel=stacklevel,
+    )
+
+
+def _warn_mask_fallback_at_run_time(branch) -> None:
+    # Under vmap, a batched switch index reaches here for every element, taken or not.
+    if np.any(np.asarray(branch) == _FALLBACK):
+        _warn_fallback({"mask": _UNRECOGNISED_MASK + ", found at run time"})
+
+
+@overload
+def dot_product_attention(
+    query: jax.typing.ArrayLike, key: jax.typing.ArrayLike, value: jax.typing.ArrayLike,
+    bias: jax.typing.ArrayLike | None = ..., mask: jax.typing.ArrayLike | None = ..., *,
+    scale: float | None = ..., is_causal: bool = ...,
+    query_seq_lengths: jax.typing.ArrayLike | None = ...,
+    key_value_seq_lengths: jax.typing.ArrayLike | None = ...,
+    local_window_size: int | tuple[int, int] | None = ..., implementation: str | None = ...,
+    return_residual: Literal[False] = ..., logits_soft_cap: float | None = ...,
+    precision: Any = ..., config: FlashConfig | None = ...,
+) -> jax.Array: ...
+
+
+@overload
+def dot_product_attention(
+    query: jax.typing.ArrayLike, key: jax.typing.ArrayLike, value: jax.typing.ArrayLike,
+    bias: jax.typing.ArrayLike | None = ..., mask: jax.typing.ArrayLike | None = ..., *,
+    scale: float | None = ..., is_causal: bool = ...,
+    query_seq_lengths: jax.typing.ArrayLike | None = ...,
+    key_value_seq_lengths: jax.typing.ArrayLike | None = ...,
+    local_window_size: int | tuple[int, int] | None = ..., implementation: str | None = ...,
+    return_residual: Literal[True], logits_soft_cap: float | None = ...,
+    precision: Any = ..., config: FlashConfig | None = ...,
+) -> tuple[jax.Array, jax.Array]: ...
+
+
+@overload
+def dot_product_attention(
+    query: jax.typing.ArrayLike, key: jax.typing.ArrayLike, value: jax.typing.ArrayLike,
+    bias: jax.typing.ArrayLike | None = ..., mask: jax.typing.ArrayLike | None = ..., *,
+    scale: float | None = ..., is_causal: bool = ...,
+    query_seq_lengths: jax.typing.ArrayLike | None = ...,
+    key_value_seq_lengths: jax.typing.ArrayLike | None = ...,
+    local_window_size: int | tuple[int, int] | None = ..., implementation: str | None = ...,
+    return_residual: bool = ..., logits_soft_cap: float | None = ...,
+    precision: Any = ..., config: FlashConfig | None = ...,
+) -> jax.Array | tuple[jax.Array, jax.Array]: ...
 
 
 def dot_product_attention(
@@ -48,9 +126,10 @@ def dot_product_attention(
     local_window_size: int | tuple[int, int] | None = None,
     implementation: str | None = None,
     return_residual: bool = False,
+    logits_soft_cap: float | None = None,
     precision: Any = None,
     config: FlashConfig | None = None,
-):
+) -> jax.Array | tuple[jax.Array, jax.Array]:
     r"""Scaled dot-product attention with the signature of `jax.nn.dot_product_attention`.
 
     Computes ``softmax(scale * Q K^T + bias, masked) V`` for each head. Letters as in jax.nn:
@@ -61,9 +140,10 @@ def dot_product_attention(
       query: [B, T, N, H] or [T, N, H] (no batch).
       key, value: [B, S, K, H] or [S, K, H]; same dtype as query.
       bias: optional additive logits bias broadcastable to [B, N, T, S]. **Served by XLA.**
-      mask: optional boolean mask broadcastable to [B, N, T, S], True = attend. **Served by
-        XLA.** Prefer `is_causal`, the lengths and `local_window_size`, which the kernels
-        serve without materialising a [T, S] mask.
+      mask: optional boolean mask broadcastable to [B, N, T, S] (rank 4 or less, as in jax.nn),
+        True = attend. Served by the kernels when it has a structure they implement, by XLA
+        otherwise: see "Masks" below. `is_causal` and the lengths are cheaper ways to say the
+        same thing: they need no [T, S] array and no check.
       scale: logit multiplier; default 1/sqrt(H).
       is_causal: query i sees keys j <= i (top-left aligned, also when T != S).
       query_seq_lengths: int [B] valid query lengths. Rows t >= length give output 0 and
@@ -76,6 +156,10 @@ def dot_product_attention(
         "xla" or "cudnn": `jax.nn.dot_product_attention` with that implementation, unchanged.
       return_residual: also return the logsumexp of each row's scaled logits, shape [B, T, N]
         (or [T, N]), in key's dtype, with its gradient stopped (as in jax.nn).
+      logits_soft_cap: (tokamax's name) a positive float c: the scaled logits x become
+        c * tanh(x / c) before the mask and the softmax (Gemma 2). jax.nn has no soft cap, so
+        with "xla" or "cudnn", or with a `bias` or another reason to fall back to jax.nn
+        (list below), it raises ValueError.
       precision: (extension, kernel path only) matmul precision for float32 inputs, as in
         `flash_attention`: None/"default" (tf32 on GPUs, like XLA's default) or "highest".
       config: (extension, kernel path only) a `FlashConfig` of kernel tiles.
@@ -84,38 +168,81 @@ def dot_product_attention(
       The output, shaped like `query` and in its dtype; with `return_residual`, the pair
       (output, residual).
 
-    What falls back to XLA (``implementation=None``), where
+    Masks. A mask is served by the kernels when, together with `is_causal`, the window and the
+    lengths, it lets query t see key s exactly when ``[s <= t] and q_id[t] == kv_id[s]`` (the
+    causal factor optional) for some segment ids, where a row or column that sees nothing gets
+    an id that matches nothing. That covers what Flax builds: ``nn.make_causal_mask``,
+    ``nn.make_attention_mask(q_valid, kv_valid)`` for padding on either side (trailing or
+    leading), packed documents (``make_attention_mask(seg, seg, jnp.equal)``), decode's cache
+    mask, and their products (``nn.combine_masks``), per batch row, shared by all heads. The
+    ids are derived from the mask with reductions over it (each row's first visible key) and
+    then checked against every element of it, so a mask with any other pattern (a sliding
+    window, bottom-right causal, a per-head mask, ...) is never served wrongly: it goes to
+    XLA. When that is decided depends on the mask:
+
+    * a concrete mask (numpy, or a jax array outside jit, or a constant closed over by a
+      jitted function) is checked when the call is made or traced, and only the chosen path
+      is compiled;
+    * a traced mask (the usual case under jit) is checked on the device at run time, and a
+      ``lax.switch`` runs the kernels (causal or not) or the XLA fallback. All branches are
+      compiled, and XLA reserves memory for each, taken or not; so the fallback works through
+      the queries in chunks, and what it reserves is a few times the size of the mask itself
+      (at least 16 MiB of logits), not the size of the logits. Under vmap
+      with a batched mask the switch becomes a select and every branch runs: still correct,
+      but slower. With implementation="pallas" a traced mask raises ValueError, since it
+      cannot be checked before it runs.
+
+    Warnings. A call that falls back to XLA emits one `FallbackWarning` per process for each
+    reason (bias, dtype, head dim, scale, window, mask): when it is traced or called, or, for a
+    traced mask, from the device (a ``jax.debug.callback`` in the fallback branch) the first
+    time the fallback branch actually runs. Silence them with
+    ``warnings.filterwarnings("ignore", category=pallas_flash.nn.FallbackWarning)``.
+
+    What falls back to jax.nn's XLA implementation (``implementation=None``), where
     ``jax.nn.dot_product_attention(..., implementation="xla")`` gets the arguments unchanged:
 
-    * a `bias` or a `mask` (dense arrays: the kernels take only structured masking);
+    * a `bias` (a dense array);
     * a dtype other than bfloat16, float16 or float32 (float64 too runs on the kernels when
       they run in interpret mode, i.e. without a GPU);
     * a head dim H above 256;
     * a `scale` that is traced, zero or not finite (the kernels need a static non-zero float);
     * a `local_window_size` with a negative side (e.g. (w, -1): strictly earlier keys).
 
-    Rows that see no key: a row whose keys are all masked out (``key_value_seq_lengths`` 0, or
-    a window that excludes every key) gets output 0, zero gradients and residual -inf from the
-    kernels. jax.nn masks with a large finite negative number instead, so there the same row
-    gets the *mean of all S values, padded ones included*, and a residual near -2.4e38 (-inf
-    in float16); we consider 0 the meaningful answer and do not reproduce that. Padded query
-    rows (t >= query_seq_lengths) are not affected by this: they are 0 in both, with zero
-    gradient, but their residual is -inf here and about -2.4e38 in jax.nn. Calls that fall
-    back to XLA give jax.nn's results in every case.
+    A mask with no structure the kernels serve goes to an XLA computation of ours instead,
+    chunked as described above, with jax.nn's arithmetic (including the soft cap).
+
+    Rows that see no key: a row whose keys are all masked out gets output 0, zero gradients
+    and residual -inf, whether the kernels or the mask fallback serve it. jax.nn masks with a
+    large finite negative number instead, so there the same row gets the *mean of all S
+    values, padded ones included*, and a residual near -2.4e38 (-inf in float16); we consider
+    0 the meaningful answer and do not reproduce that. In particular the padded query rows of
+    a Flax padding mask are 0 here; a loss that ignores padded positions, as it should, sees
+    no difference. Padded query rows given by ``query_seq_lengths`` are 0 in both (with zero
+    gradient), but their residual is -inf here and about -2.4e38 in jax.nn. Calls that fall
+    back to jax.nn (list above) give jax.nn's results in every case.
 
     Differences in what is accepted: the lengths may be any integer dtype (jax.nn wants int32);
     inputs of rank 1 or 2, which jax.nn silently pads with leading axes, are rejected.
 
     Raises:
       ValueError: on shapes, dtypes or options that jax.nn would also reject, on an unknown
-        `implementation`, and with implementation="pallas" on a call the kernels cannot serve.
+        `implementation`, on a `logits_soft_cap` that is not a positive finite float or that
+        only XLA could serve, and with implementation="pallas" on a call the kernels cannot
+        serve.
     """
     if not (implementation is None or isinstance(implementation, str)) or (
             implementation not in IMPLEMENTATIONS):
         raise ValueError(
             f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}"
         )
+    softcap = _soft_cap(logits_soft_cap)
     if implementation in ("xla", "cudnn"):
+        if softcap is not None:
+            raise ValueError(
+                f"logits_soft_cap is served by the Pallas kernels only; "
+                f"implementation={implementation!r} (jax.nn.dot_product_attention) has no soft "
+                f"cap"
+            )
         return jax.nn.dot_product_attention(
             query, key, value, bias, mask, scale=scale, is_causal=is_causal,
             query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
@@ -127,8 +254,8 @@ def dot_product_attention(
     output_shape = query.shape
     q4, k4, v4 = (_ensure_4d(name, x) for name, x in
                   (("query", query), ("key", key), ("value", value)))
-    batch, _, q_heads, head_dim = q4.shape
-    _, _, kv_heads, _ = k4.shape
+    batch, seq_q, q_heads, head_dim = q4.shape
+    _, seq_kv, kv_heads, _ = k4.shape
     if v4.shape != k4.shape:
         raise ValueError(f"value must have the shape of key, got key {key.shape} and value "
                          f"{value.shape}")
@@ -150,31 +277,102 @@ def dot_product_attention(
     window = _window(local_window_size)
     is_causal = bool(is_causal)
     return_residual = bool(return_residual)
+    mask4 = None if mask is None else _mask(mask, (batch, q_heads, seq_q, seq_kv))
 
-    reasons = _unsupported(query.dtype, head_dim, bias, mask, scale, window)
+    reasons = _unsupported(query.dtype, head_dim, bias, scale, window)
     if reasons:
         if implementation == "pallas":
             raise ValueError(
-                "implementation='pallas' cannot serve this call (" + "; ".join(reasons)
+                "implementation='pallas' cannot serve this call (" + "; ".join(reasons.values())
                 + "); use implementation=None to let XLA serve it"
             )
+        if softcap is not None:
+            raise ValueError(
+                "logits_soft_cap is served by the Pallas kernels only, and they cannot serve "
+                "this call (" + "; ".join(reasons.values()) + "); jax.nn.dot_product_attention, "
+                "which would, has no soft cap"
+            )
+        _warn_fallback(reasons)
         return jax.nn.dot_product_attention(
             query, key, value, bias, mask, scale=scale, is_causal=is_causal,
             query_seq_lengths=q_lengths, key_value_seq_lengths=kv_lengths,
             local_window_size=window, implementation="xla", return_residual=return_residual,
         )
 
-    result = flash_attention(
-        q4, k4, v4, causal=is_causal, scale=None if scale is None else float(scale),
-        window=window, q_lengths=q_lengths, kv_lengths=kv_lengths,
-        return_lse=return_residual, precision=precision, config=config,
-    )
-    if not return_residual:
-        return result.reshape(output_shape)
-    out, lse = result
-    # lse is [B, N, T] float32; jax.nn's residual is [B, T, N] in key's dtype, gradient stopped.
-    residual = lax.stop_gradient(jnp.swapaxes(lse, 1, 2).astype(key.dtype))
-    return out.reshape(output_shape), residual.reshape(output_shape[:-1])
+    scale = None if scale is None else float(scale)
+
+    def finish(out, residual=None):
+        if not return_residual:
+            return out.reshape(output_shape)
+        return out.reshape(output_shape), residual.reshape(output_shape[:-1])
+
+    def kernels(causal, q_ids, kv_ids, q_lengths, kv_lengths):
+        result = flash_attention(
+            q4, k4, v4, causal=causal, scale=scale, window=window, softcap=softcap,
+            q_segment_ids=q_ids, kv_segment_ids=kv_ids, q_lengths=q_lengths,
+            kv_lengths=kv_lengths, return_lse=return_residual, precision=precision,
+            config=config,
+        )
+        if not return_residual:
+            return (result,)
+        out, lse = result
+        # lse is [B, N, T] float32; jax.nn's residual is [B, T, N] in key's dtype, gradient
+        # stopped.
+        return out, lax.stop_gradient(jnp.swapaxes(lse, 1, 2).astype(key.dtype))
+
+    if mask4 is None:
+        return finish(*kernels(is_causal, None, None, q_lengths, kv_lengths))
+
+    def fallback(q_lengths, kv_lengths):
+        return _xla_masked_attention(
+            q4, k4, v4, mask4, causal=is_causal, window=window, q_lengths=q_lengths,
+            kv_lengths=kv_lengths, scale=scale, softcap=softcap,
+            return_residual=return_residual,
+        )
+
+    recognise = functools.partial(_recognise, batch=batch, seq_q=seq_q, seq_kv=seq_kv,
+                                  is_causal=is_causal, window=window)
+    if not any(isinstance(x, jax.core.Tracer) for x in (mask4, q_lengths, kv_lengths)):
+        # A concrete mask: decide now, and compile only the path that serves it.
+        with jax.ensure_compile_time_eval():
+            q_ids, kv_ids, branch = recognise(mask4, q_lengths, kv_lengths)
+            branch = int(branch)
+        if branch != _FALLBACK:
+            return finish(*kernels(is_causal or branch == _CAUSAL, q_ids, kv_ids, None, None))
+        if implementation == "pallas":
+            raise ValueError(f"implementation='pallas' cannot serve this call "
+                             f"({_UNRECOGNISED_MASK}); use implementation=None to let XLA "
+                             f"serve it")
+        _warn_fallback({"mask": _UNRECOGNISED_MASK})
+        return finish(*fallback(q_lengths, kv_lengths))
+
+    if implementation == "pallas":
+        raise ValueError(
+            "implementation='pallas' cannot serve a traced mask: whether the kernels can serve "
+            "it is known only when it runs. Use implementation=None (the kernels when the mask "
+            "allows, XLA otherwise), or is_causal and the lengths instead of a mask"
+        )
+    q_ids, kv_ids, branch = recognise(mask4, q_lengths, kv_lengths)
+
+    def fallback_branch(q_ids, kv_ids, q_lengths, kv_lengths, branch):
+        del q_ids, kv_ids
+        if "mask" not in _WARNED:
+            jax.debug.callback(_warn_mask_fallback_at_run_time, branch)
+        return fallback(q_lengths, kv_lengths)
+
+    def kernel_branch(causal):
+        def run(q_ids, kv_ids, q_lengths, kv_lengths, branch):
+            del q_lengths, kv_lengths, branch  # already folded into the ids
+            return kernels(causal, q_ids, kv_ids, None, None)
+        return run
+
+    if is_causal:  # the mask is checked within the causal region: one kernel variant serves
+        branches = [kernel_branch(True), fallback_branch]
+        index = (branch == _FALLBACK).astype(jnp.int32)
+    else:
+        branches = [kernel_branch(False), kernel_branch(True), fallback_branch]
+        index = branch
+    return finish(*lax.switch(index, branches, q_ids, kv_ids, q_lengths, kv_lengths, branch))
 
 
 def _ensure_4d(name, x):
@@ -200,6 +398,20 @@ def _lengths(name, lengths, batch):
     return lengths.astype(jnp.int32)
 
 
+def _mask(mask, full_shape):
+    """The mask as a rank-4 boolean array, each dim 1 or that of [B, N, T, S]."""
+    mask = jnp.asarray(mask)
+    if mask.dtype != jnp.bool_:
+        raise ValueError(f"mask must be a boolean array (True = attend), got dtype {mask.dtype}")
+    if mask.ndim > 4 or any(d not in (1, f) for d, f in
+                            zip(mask.shape[::-1], full_shape[::-1])):
+        raise ValueError(
+            f"mask must be broadcastable to [B, N, T, S] = {full_shape} with rank at most 4, "
+            f"got shape {mask.shape}"
+        )
+    return mask.reshape((1,) * (4 - mask.ndim) + mask.shape)
+
+
 def _is_int(x) -> bool:
     return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
 
@@ -218,6 +430,21 @@ def _window(local_window_size):
     )
 
 
+def _soft_cap(logits_soft_cap):
+    if logits_soft_cap is None:
+        return None
+    if isinstance(logits_soft_cap, jax.core.Tracer):
+        raise ValueError("logits_soft_cap must be a static Python float, got a traced value")
+    if isinstance(logits_soft_cap, (bool, np.bool_)) or not isinstance(
+            logits_soft_cap, (int, float, np.integer, np.floating)):
+        raise ValueError(f"logits_soft_cap must be None or a positive float, got "
+                         f"{logits_soft_cap!r}")
+    value = float(logits_soft_cap)
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"logits_soft_cap must be None or a positive float, got {value}")
+    return value
+
+
 def _static_scale_ok(scale) -> bool:
     if scale is None:
         return True
@@ -230,21 +457,160 @@ def _static_scale_ok(scale) -> bool:
     return math.isfinite(value) and value != 0.0
 
 
-def _unsupported(dtype, head_dim, bias, mask, scale, window) -> list[str]:
-    """Why the kernels cannot serve a call; empty when they can."""
-    reasons = []
+def _unsupported(dtype, head_dim, bias, scale, window) -> dict[str, str]:
+    """Why the kernels cannot serve a call, by reason; empty when they can. (A mask is judged
+    separately, by `_recognise`.)"""
+    reasons = {}
     if bias is not None:
-        reasons.append("a dense bias")
-    if mask is not None:
-        reasons.append("a dense mask")
+        reasons["bias"] = "a dense bias"
     dtype = jnp.dtype(dtype)
     interpreting = jax.default_backend() != "gpu"
     if dtype not in _KERNEL_DTYPES and not (dtype == jnp.float64 and interpreting):
-        reasons.append(f"dtype {dtype}")
+        reasons["dtype"] = f"dtype {dtype}"
     if head_dim > MAX_HEAD_DIM:
-        reasons.append(f"head dim {head_dim} > {MAX_HEAD_DIM}")
+        reasons["head_dim"] = f"head dim {head_dim} > {MAX_HEAD_DIM}"
     if not _static_scale_ok(scale):
-        reasons.append(f"scale {scale!r} (the kernels need a static, finite, non-zero float)")
+        reasons["scale"] = (f"scale {scale!r} (the kernels need a static, finite, non-zero "
+                            f"float)")
     if window is not None and min(window) < 0:
-        reasons.append(f"local_window_size {window} with a negative side")
+        reasons["window"] = f"local_window_size {window} with a negative side"
     return reasons
+
+
+def _allowed(q_pos, k_pos, *, is_causal, window, seq_q, seq_kv, q_lengths, kv_lengths):
+    """What the structured options let query q_pos see of key k_pos: a boolean array
+    broadcastable to [B, 1, len(q_pos), len(k_pos)], or None when they allow everything."""
+    allowed = make_mask_spec(seq_q, seq_kv, causal=is_causal, window=window).visible(q_pos, k_pos)
+    allowed = None if allowed is None else allowed[None, None]
+    for pos, lengths in ((q_pos, q_lengths), (k_pos, kv_lengths)):
+        if lengths is not None:
+            inside = pos[None, None] < lengths[:, None, None, None]
+            allowed = inside if allowed is None else allowed & inside
+    return allowed
+
+
+@functools.partial(jax.jit, static_argnames=("batch", "seq_q", "seq_kv", "is_causal", "window"))
+def _recognise(mask, q_lengths, kv_lengths, *, batch, seq_q, seq_kv, is_causal, window):
+    """Segment ids under which the kernels see what jax.nn would, and the kernel that serves.
+
+    jax.nn lets query t see key s when E[b, n, t, s] = mask and the structured options (causal,
+    window, lengths) all allow it. Each row's id is the index of its first visible key; each
+    column's is the id of the first row that sees it; a row or column that sees nothing gets
+    the padding id the kernels use for lengths (masking.fold_lengths), which matches nothing.
+    These are the ids of the segments when the mask has that structure, so the check below,
+    that the kernels' rule, (s <= t, for the causal kernel) and id[t] == id[s] and the
+    structured options, equals E at every element, holds exactly when it does. The ids are
+    read off the mask within the causal rule and the lengths but not within the window, which
+    would move a row's first visible key off its segment's first key.
+
+    Returns int32 q_ids [batch, seq_q], kv_ids [batch, seq_kv] and the branch: _CAUSAL or
+    _PLAIN (the kernels with causal on or off serve the call) or _FALLBACK.
+    """
+    q_pos = jnp.arange(seq_q, dtype=jnp.int32)[:, None]
+    k_pos = jnp.arange(seq_kv, dtype=jnp.int32)[None, :]
+    allowed_options = functools.partial(_allowed, q_pos, k_pos, is_causal=is_causal, seq_q=seq_q,
+                                        seq_kv=seq_kv, q_lengths=q_lengths,
+                                        kv_lengths=kv_lengths)
+    allowed = allowed_options(window=window)
+    mask = jnp.broadcast_to(mask, (*mask.shape[:2], seq_q, seq_kv))
+    visible = mask if allowed is None else mask & allowed
+    if window is not None:
+        within = allowed_options(window=None)
+        mask = mask if within is None else mask & within
+    else:
+        mask = visible
+    seen = jnp.any(mask, axis=1)                                     # [B or 1, T, S]
+    q_ids = jnp.where(jnp.any(seen, axis=2), jnp.argmax(seen, axis=2).astype(jnp.int32),
+                      jnp.int32(PAD_QUERY_ID))
+    first_row = jnp.argmax(seen, axis=1)
+    kv_ids = jnp.where(jnp.any(seen, axis=1), jnp.take_along_axis(q_ids, first_row, axis=1),
+                       jnp.int32(PAD_KEY_ID))
+    implied = q_ids[:, :, None] == kv_ids[:, None, :]
+    if allowed is not None:
+        implied = implied & allowed[:, 0]
+    plain_ok = jnp.all(visible == implied[:, None])
+    causal_ok = jnp.all(visible == (implied & (k_pos <= q_pos))[:, None])
+    branch = jnp.where(causal_ok, _CAUSAL, jnp.where(plain_ok, _PLAIN, _FALLBACK))
+    return (jnp.broadcast_to(q_ids, (batch, seq_q)), jnp.broadcast_to(kv_ids, (batch, seq_kv)),
+            branch.astype(jnp.int32))
+
+
+def _chunk_rows(batch, heads, seq_q, seq_kv) -> int:
+    """Query rows per chunk of the mask fallback: a power of two, or all of them."""
+    budget = max(_FALLBACK_CHUNK_ELEMENTS, batch * seq_q * seq_kv // 4)
+    rows = max(1, budget // (batch * heads * seq_kv))
+    return seq_q if rows >= seq_q else 1 << (rows.bit_length() - 1)
+
+
+def _xla_masked_attention(q, k, v, mask, *, causal, window, q_lengths, kv_lengths, scale,
+                          softcap, return_residual):
+    """Attention with a dense mask in XLA, jax.nn's arithmetic, a chunk of queries at a time.
+
+    q: [B, T, N, H]; k, v: [B, S, K, H]; mask: [B|1, N|1, T|1, S|1] boolean. Each chunk is
+    rematerialised in the backward pass, so neither pass holds more than one chunk's logits.
+    Returns (out,) or (out, residual [B, T, N] in k's dtype, gradient stopped).
+    """
+    batch, seq_q, heads, _ = q.shape
+    seq_kv = k.shape[1]
+    rows = _chunk_rows(batch, heads, seq_q, seq_kv)
+    chunks = -(-seq_q // rows)
+    pad = chunks * rows - seq_q
+    if pad:
+        q = jnp.pad(q, ((0, 0), (0, pad), (0, 0), (0, 0)))
+        if mask.shape[2] != 1:
+            mask = jnp.pad(mask, ((0, 0), (0, 0), (0, pad), (0, 0)))
+
+    def chunk(start):
+        qc = lax.dynamic_slice_in_dim(q, start, rows, axis=1)
+        mc = mask if mask.shape[2] == 1 else lax.dynamic_slice_in_dim(mask, start, rows, axis=2)
+        q_pos = start + jnp.arange(rows, dtype=jnp.int32)[:, None]
+        k_pos = jnp.arange(seq_kv, dtype=jnp.int32)[None, :]
+        allowed = _allowed(q_pos, k_pos, is_causal=causal, window=window, seq_q=seq_q,
+                           seq_kv=seq_kv, q_lengths=q_lengths, kv_lengths=kv_lengths)
+        visible = mc if allowed is None else mc & allowed
+        return _xla_rows(qc, k, v, visible, scale=scale, softcap=softcap)
+
+    if chunks == 1:
+        out, lse = chunk(0)
+    else:
+        out, lse = lax.map(jax.checkpoint(chunk), jnp.arange(chunks, dtype=jnp.int32) * rows)
+        out = jnp.moveaxis(out, 0, 1).reshape(batch, chunks * rows, *out.shape[3:])
+        lse = jnp.moveaxis(lse, 0, 1).reshape(batch, chunks * rows, heads)
+    out = out[:, :seq_q]
+    if not return_residual:
+        return (out,)
+    return out, lax.stop_gradient(lse[:, :seq_q].astype(k.dtype))
+
+
+def _xla_rows(q, k, v, visible, *, scale, softcap):
+    """softmax(cap(scale * q k^T), visible) v for q [B, C, N, H], visible [B|1, N|1, C, S].
+
+    jax.nn's arithmetic (float32 logits and softmax, masked logits set to a large negative
+    number, P cast to v's dtype), except that a row that sees no key gives 0 and lse -inf.
+    Returns out [B, C, N, H] in q's dtype and lse [B, C, N] float32.
+    """
+    batch, rows, heads, head_dim = q.shape
+    kv_heads = k.shape[2]
+    group = heads // kv_heads
+    compute = jnp.promote_types(q.dtype, jnp.float32)
+    qg = q.reshape(batch, rows, kv_heads, group, head_dim).astype(compute)
+    logits = jnp.einsum("bckgh,bskh->bkgcs", qg, k.astype(compute))
+    logits = logits * (1.0 / math.sqrt(head_dim) if scale is None else scale)
+    if softcap is not None:
+        logits = softcap * jnp.tanh(logits / softcap)
+    vis_batch, vis_heads = visible.shape[:2]
+    if vis_heads == 1:
+        visible = visible[:, :, None]                                # [B|1, 1, 1, C, S]
+    else:
+        visible = visible.reshape(vis_batch, kv_heads, group, *visible.shape[2:])
+    large_negative = -0.7 * float(jnp.finfo(jnp.float32).max)
+    logits = jnp.where(visible, logits, large_negative)
+    seen = jnp.any(visible, axis=-1)                                 # [B|1, K|1, G|1, C]
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    probs = jnp.exp(logits - lse[..., None]).astype(v.dtype)
+    out = jnp.einsum("bkgcs,bskh->bckgh", probs, v).astype(compute)
+    out_seen = jnp.moveaxis(seen, -1, 1)[..., None]                  # [B|1, C, K|1, G|1, 1]
+    out = jnp.where(out_seen, out, 0.0).astype(q.dtype).reshape(batch, rows, heads, head_dim)
+    lse = jnp.where(seen, lse, -jnp.inf)
+    lse = jnp.broadcast_to(lse, (batch, kv_heads, group, rows))
+    return out, jnp.moveaxis(lse.reshape(batch, heads, rows), 1, 2)

@@ -1,16 +1,16 @@
-"""pallas_flash.dot_product_attention (the jax.nn drop-in) and the Flax adapter example.
+"""pallas_flash.dot_product_attention, the jax.nn drop-in: kernel path, masks, fallbacks, errors.
 
 Every numerical case is compared twice, on the output and on dq, dk, dv for a random output
 cotangent: against ``jax.nn.dot_product_attention(implementation="xla")`` given the same
 arguments, and against `reference_attention` given the equivalent `flash_attention` options,
-written out by hand in each case (so that the argument mapping itself is under test).
+written out by hand in each case (so that the argument mapping itself is under test). Dense
+masks are compared with jax.nn on the rows that see a key (the documented difference: rows that
+see none give 0 here), and with the reference everywhere.
 """
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -21,14 +21,13 @@ import pallas_flash as pf
 import pallas_flash.nn as pf_nn
 from helpers import TOLERANCE, assert_close, random_inputs
 
-_ADAPTER = Path(__file__).resolve().parents[1] / "examples" / "flax_adapter.py"
-
 # (batch, seq_q, seq_kv, q_heads, kv_heads, head_dim): seq_q < seq_kv keeps every query row of
 # the windows below non-empty (test_rows_that_see_no_key covers the empty ones). The kernels are
 # compiled once per shape and option set (about 5 s in interpret mode on two cores), so the
 # tests share shapes and options where they can, and call eagerly so that the compiled kernels
 # are reused across tests.
-# MQA is covered by the unbatched test, MHA by the Flax test (nnx.MultiHeadAttention's default).
+# MQA is covered by the unbatched test, MHA by tests/test_flax.py (nnx.MultiHeadAttention's
+# default).
 GQA = (2, 20, 24, 4, 2, 16)
 MQA = (1, 20, 24, 4, 1, 16)
 
@@ -63,13 +62,17 @@ def _reference(q, k, v, **ref_kwargs):
     return (out[0], lse[0]) if unbatched else (out, lse)
 
 
-def _check(q, k, v, do, ref_kwargs, *, xla_tol=None, fallback=False, **kwargs):
+def _check(q, k, v, do, ref_kwargs, *, xla_tol=None, fallback=False, empty_rows_differ=False,
+           **kwargs):
     """dot_product_attention(**kwargs) against jax.nn (xla) and reference_attention(**ref_kwargs).
 
     Compares the output, the residual (the logsumexp, whose gradient must be stopped: it gets
     a random cotangent, and dq, dk, dv must still match the reference's, which has none) and
     dq, dk, dv. The table's tolerance applies against the reference; against jax.nn, xla_tol.
-    fallback: the call goes to XLA, whose residual is finite (about -2.4e38) on empty rows.
+    fallback: the call goes to jax.nn, whose residual is finite (about -2.4e38) on empty rows.
+    empty_rows_differ: rows that see no key (from a mask) are 0 here and the mean of the values
+    in jax.nn; jax.nn then runs with zero cotangents on them, as under a loss that ignores
+    padding, and its output and residual are compared on the other rows only.
     """
     dtype = jnp.dtype(q.dtype)
     tol = TOLERANCE[dtype]
@@ -82,17 +85,19 @@ def _check(q, k, v, do, ref_kwargs, *, xla_tol=None, fallback=False, **kwargs):
 
     ours = run(lambda q, k, v: pf.dot_product_attention(q, k, v, return_residual=True, **kwargs),
                q, k, v, do, dres)
-    xla = run(lambda q, k, v: jax.nn.dot_product_attention(
-        q, k, v, implementation="xla", return_residual=True, **kwargs), q, k, v, do, dres)
     up = lambda x: x.astype(jnp.float32)  # noqa: E731
     ref = run(lambda q, k, v: _reference(q, k, v, **ref_kwargs), up(q), up(k), up(v), up(do),
               jnp.zeros_like(dres))
+    # Rows that see no key: residual -inf here (about -2.4e38 in jax.nn; see the docstring).
+    seen = np.isfinite(np.asarray(ref[1]))
+    if empty_rows_differ:
+        do, dres = do * seen[..., None], dres * seen
+    xla = run(lambda q, k, v: jax.nn.dot_product_attention(
+        q, k, v, implementation="xla", return_residual=True, **kwargs), q, k, v, do, dres)
 
     out, res = ours[:2]
     assert out.shape == q.shape and out.dtype == q.dtype
     assert res.shape == q.shape[:-1] and res.dtype == xla[1].dtype == k.dtype
-    # Rows that see no key: residual -inf here (about -2.4e38 in jax.nn; see the docstring).
-    seen = np.isfinite(np.asarray(ref[1]))
     if not fallback:
         np.testing.assert_array_equal(np.isfinite(np.asarray(res, np.float32)), seen)
     for name, a, x, r, inp in zip(("out", "residual", "dq", "dk", "dv"), ours, xla, ref,
@@ -102,9 +107,22 @@ def _check(q, k, v, do, ref_kwargs, *, xla_tol=None, fallback=False, **kwargs):
         if name == "residual":  # a log: absolute error in units of the logits
             a, x, r = (np.where(seen, np.asarray(t, np.float32), 0.0) for t in (a, x, r))
             floor = 1.0
+        if name == "out" and empty_rows_differ:
+            np.testing.assert_array_equal(np.asarray(a)[~seen], 0.0)
+            x = np.where(seen[..., None], np.asarray(x), 0.0)
         assert_close(f"{name} vs reference_attention", a, r, tol, floor)
         assert_close(f"{name} vs jax.nn.dot_product_attention", a, x, xla_tol, floor)
     return ours
+
+
+@pytest.fixture(autouse=True)
+def fresh_warnings(monkeypatch):
+    """Each test starts as a fresh process would, with no fallback warned about yet."""
+    monkeypatch.setattr(pf_nn, "_WARNED", set())
+
+
+def _fallback_warnings(record):
+    return [w for w in record if issubclass(w.category, pf_nn.FallbackWarning)]
 
 
 @pytest.fixture
@@ -122,6 +140,28 @@ def kernel_calls(monkeypatch):
 
 def _lengths(*values):
     return jnp.array(values, jnp.int32)
+
+
+def _valid(lengths, n):
+    """[B, n] boolean: position < length (trailing padding)."""
+    return jnp.arange(n)[None, :] < lengths[:, None]
+
+
+def _causal(t, s):
+    """[1, 1, t, s]: query i sees keys j <= i (jnp.tril, as nn.make_causal_mask)."""
+    return jnp.tril(jnp.ones((t, s), bool))[None, None]
+
+
+def _attention_mask(q_valid, kv_valid):
+    """[B, 1, T, S], as flax's nn.make_attention_mask(q_valid, kv_valid)."""
+    return q_valid[:, None, :, None] & kv_valid[:, None, None, :]
+
+
+def _window_mask(t, s, left):
+    """[1, 1, t, s]: query i sees keys i - left <= j <= i, a pattern the kernels take only
+    as local_window_size, not as a mask."""
+    i, j = jnp.arange(t)[:, None], jnp.arange(s)[None, :]
+    return ((j <= i) & (j >= i - left))[None, None]
 
 
 def _shapes(fn, *args, **kwargs):
@@ -269,20 +309,16 @@ def test_bias_falls_back_to_xla(kernel_calls):
     assert not kernel_calls
 
 
-def test_mask_falls_back_to_xla(kernel_calls):
+def test_mask_and_structured_options_together(kernel_calls):
+    # jax.nn ANDs a mask with is_causal, the lengths and the window; the mask is checked within
+    # what those allow. A causal & key padding mask with query lengths and a window on top.
     q, k, v, do = _inputs()
-    kl = _lengths(24, 10)
-    t, s = q.shape[1], k.shape[1]
-    dense = (jnp.tril(jnp.ones((t, s), bool))[None]
-             & (jnp.arange(s)[None, None, :] < kl[:, None, None]))[:, None]  # [B, 1, T, S]
-    _check(q, k, v, do, dict(causal=True, kv_lengths=kl), mask=dense, fallback=True)
-    # Structured options on top of a mask: all of it goes to XLA. (Query lengths keep the
-    # window from emptying rows past the key length, where jax.nn and the reference differ.)
-    ql = _lengths(20, 10)
+    kl, ql = _lengths(24, 10), _lengths(20, 10)
+    dense = (_causal(20, 24) & _valid(kl, 24)[:, None, None, :])             # [B, 1, T, S]
     _check(q, k, v, do, dict(causal=True, q_lengths=ql, kv_lengths=kl, window=(3, 0)),
            mask=dense, query_seq_lengths=ql, key_value_seq_lengths=kl, local_window_size=(3, 2),
-           is_causal=True, fallback=True)
-    assert not kernel_calls
+           is_causal=True, empty_rows_differ=True)
+    assert kernel_calls[0]["causal"] is True and kernel_calls[0]["window"] == (3, 2)
 
 
 @pytest.mark.parametrize("case", ["negative-window", "zero-scale", "head-dim-288", "int8"])
@@ -421,134 +457,289 @@ def test_error_local_window_size(window):
 def test_error_pallas_cannot_serve():
     q, k, v = _small()
     bias = jnp.zeros((1, 1, 4, 4))
-    mask = jnp.ones((1, 1, 4, 4), bool)
-    _raises(r"implementation='pallas' cannot serve this call \(a dense bias; a dense mask\); "
-            r"use implementation=None", q, k, v, bias, mask, implementation="pallas")
+    _raises(r"implementation='pallas' cannot serve this call \(a dense bias; dtype int8\); "
+            r"use implementation=None", q.astype(jnp.int8), k.astype(jnp.int8),
+            v.astype(jnp.int8), bias, implementation="pallas")
+    window = _window_mask(4, 4, 1)
+    _raises(r"implementation='pallas' cannot serve this call \(a mask that is not causal, "
+            r"padding, packed segments or their product\)", q, k, v, mask=window,
+            implementation="pallas")
+    with pytest.raises(ValueError, match=r"implementation='pallas' cannot serve a traced mask"):
+        jax.jit(lambda m: pf.dot_product_attention(q, k, v, mask=m, implementation="pallas"))(
+            jnp.ones((4, 4), bool))
+
+
+def test_error_mask():
+    q, k, v = _small()
+    _raises(r"mask must be a boolean array \(True = attend\), got dtype float32", q, k, v,
+            mask=jnp.ones((4, 4)))
+    _raises(r"mask must be broadcastable to \[B, N, T, S\] = \(1, 2, 4, 4\) with rank at most "
+            r"4, got shape \(1, 1, 1, 4, 4\)", q, k, v, mask=jnp.ones((1, 1, 1, 4, 4), bool))
+    _raises(r"mask must be broadcastable .* got shape \(3, 4\)", q, k, v,
+            mask=jnp.ones((3, 4), bool))
+    _raises(r"mask must be broadcastable .* got shape \(1, 4, 4, 4\)", q, k, v,
+            mask=jnp.ones((1, 4, 4, 4), bool))
+
+
+@pytest.mark.parametrize("cap", [0.0, -1.0, float("inf"), float("nan"), True, "5", (5.0,)])
+def test_error_logits_soft_cap(cap):
+    _raises(r"logits_soft_cap must be None or a positive float", *_small(), logits_soft_cap=cap)
+
+
+def test_error_logits_soft_cap_traced_or_xla_only():
+    q, k, v = _small()
+    with pytest.raises(ValueError, match=r"logits_soft_cap must be a static Python float, got a "
+                                         r"traced value"):
+        jax.jit(lambda c: pf.dot_product_attention(q, k, v, logits_soft_cap=c))(5.0)
+    _raises(r"logits_soft_cap is served by the Pallas kernels only; implementation='xla' "
+            r"\(jax.nn.dot_product_attention\) has no soft cap", q, k, v, logits_soft_cap=5.0,
+            implementation="xla")
+    _raises(r"logits_soft_cap is served by the Pallas kernels only, and they cannot serve this "
+            r"call \(a dense bias\); jax.nn.dot_product_attention, which would, has no soft cap",
+            q, k, v, jnp.zeros((1, 1, 4, 4)), logits_soft_cap=5.0)
 
 
 # --------------------------------------------------------------------------------------------
-# Flax adapter (examples/flax_adapter.py)
+# Dense masks the kernels serve
 # --------------------------------------------------------------------------------------------
 
-
-@pytest.fixture(scope="module")
-def adapter():
-    """The example loaded by path, with Flax made unimportable: the adapter must not need it."""
-    saved = sys.modules.get("flax", "missing")
-    sys.modules["flax"] = None  # `import flax` now raises ImportError
-    try:
-        spec = importlib.util.spec_from_file_location("flax_adapter_example", _ADAPTER)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    finally:
-        if saved == "missing":
-            del sys.modules["flax"]
-        else:
-            sys.modules["flax"] = saved
-    return module
+# Batch 0 unpadded, batch 1 padded on both sides (as in test_seq_lengths).
+_QL, _KL = (20, 9), (24, 13)
+# Packed documents: per batch row, where each segment starts (queries, keys).
+_Q_STARTS, _KV_STARTS = ((0, 6, 14), (0, 11, 11)), ((0, 6, 15), (0, 3, 12))
 
 
-def _nnx_kwargs(**overrides):
-    """The keyword arguments nnx.MultiHeadAttention passes to its attention_fn."""
-    kwargs = dict(mask=None, dropout_rng=None, dropout_rate=0.0, broadcast_dropout=True,
-                  deterministic=True, dtype=None, precision=None, module=None, is_causal=False)
-    kwargs.update(overrides)
-    return kwargs
+def _segment_ids(starts, n):
+    pos = jnp.arange(n)
+    return jnp.stack([jnp.searchsorted(jnp.array(s), pos, side="right") - 1 for s in starts])
 
 
-def _split(x):
-    """[2, ...] -> [1, 2, ...]: two leading batch dims, as Flax allows."""
-    return x.reshape(1, *x.shape)
+def _mask_case(kind):
+    """(mask, the equivalent reference_attention options, whether the causal kernel serves)."""
+    ql, kl = _lengths(*_QL), _lengths(*_KL)
+    padding = _attention_mask(_valid(ql, 20), _valid(kl, 24))
+    lengths = dict(q_lengths=ql, kv_lengths=kl)
+    if kind == "causal":
+        return _causal(20, 24), dict(causal=True), True
+    if kind == "padding":
+        return padding, lengths, False
+    if kind == "causal-and-padding":
+        return _causal(20, 24) & padding, dict(causal=True, **lengths), True
+    if kind == "key-padding":
+        return _valid(kl, 24)[:, None, None, :], dict(kv_lengths=kl), False
+    if kind == "per-head-copies":
+        return jnp.broadcast_to(padding, (2, 4, 20, 24)), lengths, False
+    if kind == "leading-padding-causal":
+        starts = _lengths(0, 6)
+        q_valid = jnp.arange(20)[None] >= starts[:, None]
+        kv_valid = jnp.arange(24)[None] >= starts[:, None]
+        ids = dict(q_segment_ids=jnp.where(q_valid, 0, 1), kv_segment_ids=jnp.where(kv_valid, 0, 2))
+        return _causal(20, 24) & _attention_mask(q_valid, kv_valid), dict(causal=True, **ids), True
+    if kind == "packed-documents":
+        q_ids, kv_ids = _segment_ids(_Q_STARTS, 20), _segment_ids(_KV_STARTS, 24)
+        mask = (q_ids[:, :, None] == kv_ids[:, None, :])[:, None]
+        return mask, dict(q_segment_ids=q_ids, kv_segment_ids=kv_ids), False
+    if kind == "packed-documents-causal":
+        mask, ids, _ = _mask_case("packed-documents")
+        return mask & _causal(20, 24), dict(causal=True, **ids), True
+    raise ValueError(kind)
 
 
-def test_adapter_causal_with_two_batch_dims(adapter, kernel_calls):
-    # is_causal goes to the kernels; two batch dims are flattened and restored; dropout_rate > 0
-    # is fine when deterministic (evaluation).
+MASK_KINDS = ["causal", "padding", "causal-and-padding", "key-padding", "per-head-copies",
+              "leading-padding-causal", "packed-documents", "packed-documents-causal"]
+
+
+@pytest.mark.parametrize("kind", MASK_KINDS)
+def test_mask_served_by_the_kernels(kind, kernel_calls):
     q, k, v, do = _inputs()
-    fn = lambda q, k, v: adapter.flash_attention_fn(  # noqa: E731
-        q, k, v, **_nnx_kwargs(is_causal=True, dropout_rate=0.1, deterministic=True))
-    ours = _outputs_and_grads(fn, _split(q), _split(k), _split(v), _split(do))
-    ref = _outputs_and_grads(lambda q, k, v: pf.reference_attention(q, k, v, causal=True),
-                             q, k, v, do)
-    xla = _outputs_and_grads(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True),
-                             q, k, v, do)
-    tol = TOLERANCE[jnp.dtype(jnp.float32)]
-    for name, a, r, x in zip(("out", "dq", "dk", "dv"), ours, ref, xla, strict=True):
-        assert a.shape == (1, *r.shape), name
-        assert_close(f"{name} vs reference", a[0], r, tol)
-        assert_close(f"{name} vs jax.nn", a[0], x, tol)
-    assert kernel_calls and kernel_calls[0]["causal"] is True
+    mask, ref_kwargs, causal = _mask_case(kind)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        _check(q, k, v, do, ref_kwargs, mask=mask, empty_rows_differ=True)
+    assert not _fallback_warnings(record)
+    assert kernel_calls and all(c["causal"] is causal for c in kernel_calls)
+    assert kernel_calls[0]["q_segment_ids"].shape == (2, 20)
+    assert kernel_calls[0]["kv_segment_ids"].shape == (2, 24)
 
 
-def test_adapter_dtype_is_promoted(adapter, kernel_calls):
-    q, k, v, do = _inputs(dtype=jnp.bfloat16)
-    fn = lambda q, k, v: adapter.flash_attention_fn(  # noqa: E731
-        q, k, v, **_nnx_kwargs(is_causal=True, dtype=jnp.float32))
-    out = _outputs_and_grads(fn, q, k, v, do)[0]
-    assert out.dtype == jnp.float32 and kernel_calls
-    up = lambda x: x.astype(jnp.float32)  # noqa: E731
-    assert_close("out", out, pf.reference_attention(up(q), up(k), up(v), causal=True),
-                 TOLERANCE[jnp.dtype(jnp.float32)])
+def test_mask_rank_2_and_unbatched(kernel_calls):
+    # A [T, S] mask, as jax.nn takes it, on [T, N, H] inputs.
+    q, k, v, do = _inputs(MQA)
+    q, k, v, do = q[0], k[0], v[0], do[0]
+    _check(q, k, v, do, dict(causal=True), mask=_causal(20, 24)[0, 0])
+    assert kernel_calls[0]["causal"] is True
 
 
-def test_adapter_mask_goes_to_xla(adapter, kernel_calls):
-    q, k, v, _ = _inputs()
-    split = lambda x: x.reshape(2, 1, *x.shape[1:])  # noqa: E731
-    # A padding mask broadcast over the second batch dim and the heads: [2, 1, 1, T, S].
-    valid = jnp.arange(24)[None, :] < jnp.array([24, 5])[:, None]
-    mask = jnp.broadcast_to(valid[:, None, None, None, :], (2, 1, 1, 20, 24))
-    out = adapter.flash_attention_fn(split(q), split(k), split(v),
-                                     **_nnx_kwargs(mask=mask, is_causal=True))
-    full_mask = mask.reshape(2, 1, 20, 24)
-    xla = jax.nn.dot_product_attention(q, k, v, mask=full_mask, is_causal=True)
-    np.testing.assert_array_equal(out.reshape(xla.shape), xla)
-    # No batch dims at all: [length, heads, head_dim].
-    out3 = adapter.flash_attention_fn(q[0], k[0], v[0], **_nnx_kwargs(mask=full_mask[0]))
-    np.testing.assert_array_equal(out3, jax.nn.dot_product_attention(q[0], k[0], v[0],
-                                                                     mask=full_mask[0]))
+def test_mask_with_is_causal_needs_only_its_causal_part(kernel_calls):
+    # With is_causal, only the causal region of the mask counts: a padding mask without a
+    # causal factor is served by the causal kernel.
+    q, k, v, do = _inputs()
+    mask, ref_kwargs, _ = _mask_case("padding")
+    _check(q, k, v, do, dict(causal=True, **ref_kwargs), mask=mask, is_causal=True,
+           empty_rows_differ=True)
+    assert kernel_calls[0]["causal"] is True
+
+
+def test_logits_soft_cap(kernel_calls):
+    q, k, v, do = _inputs()
+    # Without a mask, and with one (causal & padding) on the kernels.
+    _check_reference(q, k, v, do, dict(causal=True, softcap=2.5), is_causal=True,
+                     logits_soft_cap=2.5)
+    mask, ref_kwargs, _ = _mask_case("causal-and-padding")
+    _check_reference(q, k, v, do, dict(softcap=2.5, **ref_kwargs), mask=mask,
+                     logits_soft_cap=2.5)
+    assert [c["softcap"] for c in kernel_calls] == [2.5, 2.5]
+
+
+def _check_reference(q, k, v, do, ref_kwargs, **kwargs):
+    """Output, residual, dq, dk, dv against reference_attention only (jax.nn has no soft cap)."""
+    dres = jax.random.normal(jax.random.PRNGKey(5), do.shape[:-1], jnp.float32)
+
+    def run(fn, dres):
+        (out, res), vjp = jax.vjp(fn, q, k, v)
+        return (out, res, *vjp((do, dres)))
+
+    # The residual's gradient is stopped: its random cotangent must change nothing.
+    ours = run(lambda q, k, v: pf.dot_product_attention(q, k, v, return_residual=True, **kwargs),
+               dres)
+    ref = run(lambda q, k, v: _reference(q, k, v, **ref_kwargs), jnp.zeros_like(dres))
+    tol = TOLERANCE[jnp.dtype(q.dtype)]
+    seen = np.isfinite(np.asarray(ref[1]))
+    np.testing.assert_array_equal(np.isfinite(np.asarray(ours[1])), seen)
+    for name, a, r in zip(("out", "residual", "dq", "dk", "dv"), ours, ref, strict=True):
+        floor = 0.0
+        if name == "residual":
+            a, r, floor = np.where(seen, a, 0.0), np.where(seen, r, 0.0), 1.0
+        assert_close(f"{name} vs reference_attention", a, r, tol, floor)
+
+
+# --------------------------------------------------------------------------------------------
+# Dense masks the kernels cannot serve: XLA, chunked, with a warning
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("chunked", [False, True], ids=["whole", "chunked"])
+def test_unserved_mask_falls_back_and_warns_once(chunked, kernel_calls, monkeypatch):
+    # A sliding window given as a mask (the kernels take it only as local_window_size).
+    # Chunked: the fallback takes 8 query rows at a time (20 rows: the last chunk padded).
+    if chunked:
+        monkeypatch.setattr(pf_nn, "_FALLBACK_CHUNK_ELEMENTS", 8 * 2 * 4 * 24)
+        assert pf_nn._chunk_rows(2, 4, 20, 24) == 8
+    q, k, v, do = _inputs()
+    mask = _window_mask(20, 24, 3)
+    with pytest.warns(pf_nn.FallbackWarning, match=r"falls back to XLA \(a mask that is not "
+                      r"causal, padding, packed segments or their product\), which materialises "
+                      r"the attention logits") as record:
+        _check(q, k, v, do, dict(causal=True, window=(3, 0)), mask=mask)
+        _check_reference(q, k, v, do, dict(causal=True, window=(3, 0), softcap=4.0),
+                         mask=mask, logits_soft_cap=4.0)
+    assert len(_fallback_warnings(record)) == 1
     assert not kernel_calls
 
 
-def test_adapter_error_dropout(adapter):
-    q, k, v = _small()
-    with pytest.raises(ValueError, match=r"flash_attention_fn has no attention dropout, got "
-                                         r"dropout_rate=0.1 with deterministic=False"):
-        adapter.flash_attention_fn(q, k, v, **_nnx_kwargs(dropout_rate=0.1, deterministic=False))
+@pytest.mark.parametrize("kind", ["per-head", "bottom-right-causal"])
+def test_other_unserved_masks(kind, kernel_calls):
+    q, k, v, do = _inputs()
+    if kind == "per-head":   # heads 0 and 1 causal, heads 2 and 3 see everything
+        mask = jnp.concatenate([_causal(20, 24)] * 2 + [jnp.ones((1, 2, 20, 24), bool)], axis=1)
+        ours = _outputs_and_grads(lambda q, k, v: pf.dot_product_attention(q, k, v, mask=mask),
+                                  q, k, v, do)
+        xla = _outputs_and_grads(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, mask=mask),
+                                 q, k, v, do)
+        for name, a, x in zip(("out", "dq", "dk", "dv"), ours, xla, strict=True):
+            assert_close(f"{name} vs jax.nn", a, x, TOLERANCE[jnp.dtype(jnp.float32)])
+    else:
+        mask = jnp.tril(jnp.ones((20, 24), bool), k=4)
+        _check(q, k, v, do, dict(causal=True, causal_alignment="bottom_right"), mask=mask)
+    assert not kernel_calls
 
 
-def test_adapter_error_sow_weights(adapter):
-    q, k, v = _small()
-    with pytest.raises(ValueError, match=r"cannot sow attention weights"):
-        adapter.flash_attention_fn(q, k, v, **_nnx_kwargs(module=object()))
+# --------------------------------------------------------------------------------------------
+# Traced masks: checked at run time
+# --------------------------------------------------------------------------------------------
 
 
-def test_adapter_error_rank(adapter):
-    q, k, v = _small()
-    with pytest.raises(ValueError, match=r"query, key and value must have one rank >= 3"):
-        adapter.flash_attention_fn(q, k[0], v[0], **_nnx_kwargs())
+_TRACED = {}
 
 
-def test_adapter_error_batch_dims(adapter):
-    q, k, v = _small()
-    with pytest.raises(ValueError, match=r"query, key and value must share their batch dims"):
-        adapter.flash_attention_fn(q, jnp.concatenate([k, k]), jnp.concatenate([v, v]),
-                                   **_nnx_kwargs())
+def _traced_step(is_causal):
+    """One jitted output-and-vjp per is_causal for every test here: the switch compiles every
+    branch (both kernels and the fallback), which is what takes the time in interpret mode."""
+    if is_causal not in _TRACED:
+        @jax.jit
+        def step(q, k, v, do, mask):
+            out, vjp = jax.vjp(lambda q, k, v: pf.dot_product_attention(
+                q, k, v, mask=mask, is_causal=is_causal), q, k, v)
+            return (out, *vjp(do))
+        _TRACED[is_causal] = step
+    return _TRACED[is_causal]
 
 
-def test_adapter_error_mask_rank(adapter):
-    q, k, v = _small()
-    split = lambda x: x.reshape(1, 1, *x.shape[1:])  # noqa: E731
-    with pytest.raises(ValueError, match=r"mask must be broadcastable to \[batch\.\.\., "
-                                         r"num_heads, q_length, kv_length\] with at least 3 dims"):
-        adapter.flash_attention_fn(split(q), split(k), split(v),
-                                   **_nnx_kwargs(mask=jnp.ones((4, 4), bool)))
+def _compare_traced(is_causal, mask, ref_kwargs):
+    q, k, v, do = _inputs()
+    ours = _traced_step(is_causal)(q, k, v, do, mask)
+    jax.effects_barrier()
+    ref = _outputs_and_grads(lambda q, k, v: pf.reference_attention(q, k, v, **ref_kwargs),
+                             q, k, v, do)
+    for name, a, r in zip(("out", "dq", "dk", "dv"), ours, ref, strict=True):
+        assert_close(f"{name} vs reference_attention", a, r, TOLERANCE[jnp.dtype(jnp.float32)])
 
 
-def test_adapter_with_flax_nnx(adapter):
-    # Skips where Flax is missing (CI need not have it) or cannot import against this jax.
-    pytest.importorskip("flax.nnx", exc_type=ImportError)
-    result = adapter.main([])
-    # Relative differences from nnx.MultiHeadAttention with Flax's own attention_fn.
-    tol = TOLERANCE[jnp.dtype(jnp.float32)]
-    assert result["causal_out"] < tol and result["causal_grad"] < tol, result
-    assert result["mask_out"] == 0.0 and result["mask_grad"] == 0.0, result
+def test_traced_mask_has_both_kernels_and_the_fallback():
+    q, k, v, do = _inputs()
+    jaxpr = str(jax.make_jaxpr(_traced_step(False))(q, k, v, do, _causal(20, 24)))
+    assert "switch" in jaxpr or "cond" in jaxpr
+    for name in ("pallas_flash_fwd", "pallas_flash_bwd_dkdv", "pallas_flash_bwd_dq"):
+        assert name in jaxpr
+
+
+@pytest.mark.parametrize("kind", ["causal-and-padding", "packed-documents", "padding"])
+def test_traced_mask_served_by_the_kernels(kind):
+    mask, ref_kwargs, _ = _mask_case(kind)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        _compare_traced(False, mask, ref_kwargs)
+    assert not _fallback_warnings(record)   # so the kernel branch ran
+
+
+def test_traced_mask_falls_back_at_run_time_and_warns_once():
+    with pytest.warns(pf_nn.FallbackWarning, match=r"a mask that is not causal, padding, "
+                      r"packed segments or their product, found at run time") as record:
+        for _ in range(2):
+            _compare_traced(False, _window_mask(20, 24, 3), dict(causal=True, window=(3, 0)))
+    assert len(_fallback_warnings(record)) == 1
+
+
+def test_traced_mask_with_is_causal():
+    # Two branches only (the causal kernel, the fallback); the mask's padding on the kernels.
+    mask, ref_kwargs, _ = _mask_case("padding")
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        _compare_traced(True, mask, dict(causal=True, **ref_kwargs))
+    assert not _fallback_warnings(record)
+    with pytest.warns(pf_nn.FallbackWarning, match="found at run time"):
+        _compare_traced(True, _window_mask(20, 24, 3), dict(causal=True, window=(3, 0)))
+
+
+# --------------------------------------------------------------------------------------------
+# Warnings for the other fallbacks
+# --------------------------------------------------------------------------------------------
+
+
+def test_fallback_warns_once_per_reason():
+    q, k, v, _ = _inputs()
+    bias = jnp.zeros((1, 1, 20, 24))
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            pf.dot_product_attention(q, k, v, bias)
+        pf.dot_product_attention(q, k, v, scale=0.0)
+        pf.dot_product_attention(q, k, v, bias, scale=0.0)
+        pf.dot_product_attention(q, k, v, is_causal=True)   # the kernels: no warning
+    messages = [str(w.message) for w in _fallback_warnings(record)]
+    assert len(messages) == 2, messages
+    assert "falls back to XLA (a dense bias), which materialises the attention logits, T x S " \
+           "per head, instead of running the flash kernels" in messages[0]
+    assert "falls back to XLA (scale 0.0 (the kernels need a static, finite, non-zero float))" \
+           in messages[1]
+    assert all("Shown once per process for each reason" in m for m in messages)
