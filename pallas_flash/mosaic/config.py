@@ -84,8 +84,8 @@ class MosaicForwardConfig:
     # multicast, cutting L2 reads n-fold; it pays only when adjacent tiles stream the same
     # keys (no position mask), so 1 unless default_forward_config picks 2.
     cluster: int = 1
-    # Compute warpgroups per CTA (2 or 3). Three (192 rows) read each K / V block for a third
-    # more rows; registers allow it only at head_dim 64.
+    # Compute warpgroups per CTA (2 or 3). Three serve 192 rows from each K / V block instead
+    # of 128, with 160 registers a thread instead of 232: it pays at head_dim 64 only.
     compute_wgs: int = 2
     # Form each exponent as one multiply-add, u c - (m c), instead of (u - m) c: one
     # instruction less per score, at a relative error of |m c| 2^-24 per weight, far below the
@@ -208,7 +208,7 @@ class MosaicBackwardConfig:
     # shared memory), 4 matmul units a step instead of 6. Not with a softcap.
     dkdv_paired: bool = False
     # kv heads whose key tiles the fused kernel interleaves in its launch order (schedule.py);
-    # None: four at batch 1 (consecutive CTAs then alternate between chains of dQ adds), else 1.
+    # None: up to four at batch 1 (consecutive CTAs then alternate between chains of dQ adds).
     fused_head_chunk: int | None = None
     # kv heads interleaved tile by tile in the two kernels' launch order (schedule.py); None:
     # one head at a time, or FlashAttention-3's L2 sections under a causal bound.
