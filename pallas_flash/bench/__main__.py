@@ -10,7 +10,7 @@ import sys
 
 import jax
 
-from pallas_flash.bench import cases, memory, report
+from pallas_flash.bench import cases, cold_start, memory, report
 from pallas_flash.bench.impls import DEFAULT_IMPLS, IMPLS
 from pallas_flash.bench.plots import plot_memory, plot_speed
 from pallas_flash.bench.timing import run_case
@@ -22,12 +22,15 @@ def build_parser() -> argparse.ArgumentParser:
         description="Time and check pallas_flash against cuDNN and XLA attention.")
     p.add_argument("--cases", default=None,
                    help="comma list of BxSxHqxHkvxD, e.g. 2x8192x16x16x128; "
-                        "'none' runs no standard case (default: the six standard cases)")
+                        "'none' runs no standard case (default: the six standard cases; "
+                        "with --cold-start 1x8192x16x16x128)")
     p.add_argument("--causal", choices=("both", "yes", "no"), default=None,
-                   help="which masks to run for the standard cases (default both)")
+                   help="which masks to run for the cases (default both; with --cold-start "
+                        "yes)")
     p.add_argument("--impls", default=None,
                    help=f"comma list from {sorted(IMPLS)} (default "
-                        f"{','.join(DEFAULT_IMPLS)}; variants default to pallas_flash,cudnn)")
+                        f"{','.join(DEFAULT_IMPLS)}; variants default to pallas_flash,cudnn; "
+                        "--cold-start to pallas_flash,cudnn on a GPU, else pallas_flash,xla)")
     p.add_argument("--dtype", choices=sorted(cases.DTYPES), default="bf16")
     p.add_argument("--iters", type=int, default=None, help="forward runs (default 20)")
     p.add_argument("--iters-bwd", type=int, default=None,
@@ -46,8 +49,15 @@ def build_parser() -> argparse.ArgumentParser:
                         "(batch 1, 16 heads, head_dim 128, causal), one subprocess per point")
     p.add_argument("--memory-seqs", default=memory.MEMORY_SEQS,
                    help=f"sequence lengths for --memory (default {memory.MEMORY_SEQS})")
+    p.add_argument("--cold-start", action="store_true",
+                   help="instead: seconds from process start to the end of the third "
+                        "forward+backward step, and every step's time, one fresh subprocess "
+                        "per implementation, with JAX's persistent compilation cache off, "
+                        "empty and warm")
+    p.add_argument("--cold-start-steps", type=int, default=10,
+                   help="steps each --cold-start subprocess runs, at least 3 (default 10)")
     p.add_argument("--child-timeout", type=float, default=900.0,
-                   help="seconds per --memory subprocess (default 900)")
+                   help="seconds per --memory or --cold-start subprocess (default 900)")
     p.add_argument("--smoke", action="store_true",
                    help="tiny CPU-friendly run: case 1x128x2x1x32, pallas_flash,cudnn,xla, "
                         "1 iteration, no plot")
@@ -101,9 +111,9 @@ def parse_impls(text: str | None, parser) -> list[str] | None:
     return names
 
 
-def select_cases(args, parser) -> list[cases.Case]:
+def select_cases(args, parser, default=None) -> list[cases.Case]:
     if args.cases is None:
-        shapes = [cases.SMOKE_CASE] if args.smoke else list(cases.DEFAULT_CASES)
+        shapes = default or ([cases.SMOKE_CASE] if args.smoke else list(cases.DEFAULT_CASES))
     elif args.cases.strip().lower() == "none":
         shapes = []
     else:
@@ -168,6 +178,25 @@ def run_memory_sweep(args, impls, meta, stamp) -> dict:
     return {"meta": meta, "complete": True, "memory": sweep}
 
 
+def run_cold_start(args, parser, impls, meta, stamp, env) -> dict:
+    for name in ("iters_fwd", "iters_fwdbwd", "warmup", "timer", "ref_rows", "flops"):
+        meta.pop(name)  # the speed benchmark's settings, unused here
+    stem = report.claim_stem(args.out, "cold_start", stamp)
+    result = {"meta": meta, "complete": False}
+
+    def save(section):
+        result["cold_start"] = section
+        return report.write_json(result, args.out, stem)
+
+    case_list = select_cases(args, parser, default=[cold_start.DEFAULT_CASE])
+    section = cold_start.run_cold_start(args, impls, case_list, env, on_run=save)
+    result["complete"] = True
+    print(f"json: {save(section)}\n")
+    print(report.summary_line(meta))
+    print(report.format_cold_start_table(section))
+    return result
+
+
 def run_bench(args, parser, impls, explicit_impls, meta, stamp) -> dict:
     key = jax.random.key(args.seed)
     plan = [(c, impls, jax.random.fold_in(key, i))
@@ -213,13 +242,27 @@ def main(argv: list[str] | None = None) -> dict:
         return main_report(args)
     if args.check:
         parser.error("--check goes with --report")
+    if args.cold_start and args.memory:
+        parser.error("--cold-start and --memory are separate runs")
+    if args.cold_start_steps < 3:
+        parser.error("--cold-start-steps must be at least 3")
 
+    # The children of --cold-start get the environment as it was given.
+    env = dict(os.environ)
+    if args.cold_start:
+        # This process only waits for them: it must not hold the GPU's memory.
+        os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
+        if args.causal is None:
+            args.causal = "yes"
     resolve_defaults(args)
     explicit_impls = parse_impls(args.impls, parser)
-    impls = explicit_impls or list(DEFAULT_IMPLS)
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
     meta = metadata(args, argv)
     print(f"device: {meta['gpu']} ({meta['backend']}), jax {meta['jax_version']}", flush=True)
+    if args.cold_start:
+        impls = explicit_impls or cold_start.default_impls(meta["backend"])
+        return run_cold_start(args, parser, impls, meta, stamp, env)
+    impls = explicit_impls or list(DEFAULT_IMPLS)
     if args.memory:
         return run_memory_sweep(args, impls, meta, stamp)
     return run_bench(args, parser, impls, explicit_impls, meta, stamp)

@@ -8,9 +8,9 @@ Markdown and rewrites only the marked blocks of the docs, so that no table is ed
     <!-- /bench-report:speed -->
 
 Blocks: ``headline`` (a few shapes, pallas_flash against cuDNN, for README.md), ``speed``
-(every row of the benchmark JSONs) and ``memory`` (the memory sweep). The opening marker keeps
-the files it was generated from, so ``--report`` without files regenerates every block from
-the files it names.
+(every row of the benchmark JSONs), ``memory`` (the memory sweep) and ``cold-start`` (process
+start to the third training step). The opening marker keeps the files it was generated from, so
+``--report`` without files regenerates every block from the files it names.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ import subprocess
 
 from pallas_flash.bench.cases import PLAIN, seq_label
 
-BLOCKS = ("headline", "speed", "memory")
-_BLOCK_RE = re.compile(r"<!-- bench-report:(?P<name>[a-z]+)(?P<attrs>[^>]*?)\s*-->\n?"
+BLOCKS = ("headline", "speed", "memory", "cold-start")
+_BLOCK_RE = re.compile(r"<!-- bench-report:(?P<name>[a-z-]+)(?P<attrs>[^>]*?)\s*-->\n?"
                        r"(?P<body>.*?)<!-- /bench-report:(?P=name) -->", re.S)
 # (case, causal) rows of the headline table, when the results hold them.
 HEADLINE_CASES = (
@@ -95,6 +95,13 @@ def _fmt(x, spec=".1f", none="-") -> str:
     return none if x is None else format(x, spec)
 
 
+def fmt_seconds(x: float | None) -> str:
+    """'11.86 s' from a second up, '2.614 ms' below."""
+    if x is None:
+        return "–"
+    return f"{x:.2f} s" if x >= 1 else f"{x * 1e3:.3f} ms"
+
+
 def _tf(x) -> str:
     """TFLOP/s: one decimal on a GPU, three significant digits for CPU smoke runs."""
     return _fmt(x, ".1f" if x is None or x >= 10 else ".3g")
@@ -143,6 +150,45 @@ def format_memory_table(memory: dict) -> str:
     for impl in dict.fromkeys(p["impl"] for p in memory["points"]):
         seq = memory["longest_seq_ok"].get(impl)
         lines.append(f"longest seq that fits: {impl}: {seq_label(seq) if seq else 'none'}")
+    return "\n".join(lines)
+
+
+_CACHE_ORDER = {"none": 0, "fill": 1, "warm": 2}
+
+
+def _cold_rows(section: dict) -> list[dict]:
+    """Runs by case, then implementation (ours first), then cache setting."""
+    cases = list(dict.fromkeys((r["case"], r["causal"]) for r in section["runs"]))
+    return sorted(section["runs"], key=lambda r: (
+        cases.index((r["case"], r["causal"])), _IMPL_ORDER.get(r["impl"], 9), r["impl"],
+        _CACHE_ORDER.get(r["cache"], 9)))
+
+
+def _cold_cells(r: dict, baseline: str | None) -> list[str]:
+    """start -> 3rd, minus the baseline, steps 1, 2, 3 and N, steps 2 and 3 over step N."""
+    diff = r.get("minus_baseline_s")
+    return ([fmt_seconds(r.get("start_to_third_s")),
+             "–" if diff is None or r["impl"] == baseline else f"{diff:+.2f} s"]
+            + [fmt_seconds(r.get(f"step{i}_s")) for i in ("1", "2", "3", "N")]
+            + [_fmt(r.get(f"step{i}_over_stepN"), ".2f", "–") for i in ("2", "3")])
+
+
+def format_cold_start_table(section: dict) -> str:
+    n, base = section["steps"], section["baseline"] or "-"
+    head = (f"{'case':<22} {'causal':<6} {'impl':<20} {'cache':<5} {'start->3rd':>10} "
+            f"{'-' + base:>9} {'step 1':>10} {'step 2':>10} {'step 3':>10} "
+            f"{f'step {n}':>10} {f'2/{n}':>5} {f'3/{n}':>5}")
+    lines = [head, "-" * len(head)]
+    for r in _cold_rows(section):
+        left = f"{r['case']:<22} {str(r['causal']):<6} {r['impl']:<20} {r['cache']:<5}"
+        if r["status"] != "ok":
+            lines.append(f"{left} {r['status']}: {r.get('error')}")
+            continue
+        c = _cold_cells(r, section["baseline"])
+        lines.append(f"{left} {c[0]:>10} {c[1]:>9} {c[2]:>10} {c[3]:>10} {c[4]:>10} "
+                     f"{c[5]:>10} {c[6]:>5} {c[7]:>5}")
+    lines.append(f"start->3rd: {section['clock']}; -{base}: minus {base}'s, same cache; "
+                 "cache: none (off), fill (empty folder, filled by this run), warm (filled)")
     return "\n".join(lines)
 
 
@@ -289,23 +335,75 @@ def markdown_memory(sources: list[tuple[str, dict]]) -> str:
     return "\n".join(lines).rstrip("\n") + "\n"
 
 
+_CACHE_LABEL = {"none": "off", "fill": "empty", "warm": "warm"}
+
+
+def markdown_cold_start(sources: list[tuple[str, dict]]) -> str:
+    measured = [(path, data) for path, data in sources if "cold_start" in data]
+    if not measured:
+        files = ", ".join(f"`{path}`" for path, _ in sources)
+        return f"Not measured yet: {files} holds no cold-start run.\n"
+    lines = []
+    for path, data in measured:
+        section = data["cold_start"]
+        rows = _cold_rows(section)
+        n, base = section["steps"], section["baseline"]
+        cases = list(dict.fromkeys((r["case"], r["causal"]) for r in rows))
+        one_case = len(cases) == 1
+        what = (f"case {cases[0][0].replace('x', ' × ')}, "
+                f"{'causal' if cases[0][1] else 'full'}, " if one_case else "")
+        lines += [f"Source: {_source_line(path, data['meta'], False)}", "",
+                  f"One jitted forward+backward step, {what}{section['dtype']}, called {n} "
+                  "times in a fresh process per row. Start → 3rd step: from the benchmark's "
+                  "clock just before it starts the process to the end of the third step. "
+                  "Cache: JAX's persistent compilation cache off; on, in an empty folder that "
+                  "the run fills; warm, filled by the run above"
+                  + (f"; − {base}: start → 3rd step minus {base}'s, same cache." if base
+                     else "."), ""]
+        header = ([] if one_case else ["case", "mask"]) + [
+            "implementation", "cache", "start → 3rd step"] + (
+            [f"− {base}"] if base else []) + [
+            "step 1", "step 2", "step 3", f"step {n}", f"step 2 / step {n}",
+            f"step 3 / step {n}"]
+        table = []
+        for r in rows:
+            cells = ([] if one_case else [r["case"].replace("x", " × "),
+                                          "causal" if r["causal"] else "full"])
+            cells += [r["impl"], _CACHE_LABEL.get(r["cache"], r["cache"])]
+            if r["status"] != "ok":
+                table.append(cells + [f"{r['status']}: {r.get('error')}"]
+                             + ["–"] * (len(header) - len(cells) - 1))
+                continue
+            c = _cold_cells(r, base)
+            table.append(cells + c[:1] + (c[1:2] if base else []) + c[2:])
+        lines += _table(header, table) + [""]
+    return "\n".join(lines).rstrip("\n") + "\n"
+
+
+# block -> (the kind of results it renders, renderer)
 _RENDER = {"headline": ("bench", markdown_headline), "speed": ("bench", markdown_speed),
-           "memory": ("memory", markdown_memory)}
+           "memory": ("memory", markdown_memory), "cold-start": ("cold_start", markdown_cold_start)}
+# Blocks that may cite files of another kind, and say "not measured yet" for them.
+_ANY_SOURCE = {"cold-start"}
 
 
 # --------------------------------------------------------------------------
 # Blocks in Markdown files
 # --------------------------------------------------------------------------
 
-def load_result(path: str) -> tuple[str, dict]:
-    """(kind, data) of a results JSON: 'bench' (rows) or 'memory' (a sweep)."""
+# kind of results -> its key in a results JSON
+_KINDS = {"bench": "results", "memory": "memory", "cold_start": "cold_start"}
+
+
+def load_result(path: str) -> tuple[list[str], dict]:
+    """(kinds, data) of a results JSON; the kinds it holds of 'bench' (benchmark rows), 'memory'
+    (a sweep) and 'cold_start'."""
     with open(path) as f:
         data = json.load(f)
-    if "results" in data:
-        return "bench", data
-    if "memory" in data:
-        return "memory", data
-    raise ValueError(f"{path}: neither benchmark rows nor a memory sweep")
+    kinds = [kind for kind, key in _KINDS.items() if key in data]
+    if not kinds:
+        raise ValueError(f"{path}: no benchmark rows, memory sweep or cold start")
+    return kinds, data
 
 
 def _sources_of(attrs: str) -> list[str]:
@@ -317,15 +415,14 @@ def rewrite_blocks(text: str, sources: dict[str, list[str]], root: str,
                    cache: dict | None = None) -> tuple[str, list[str]]:
     """`text` with every bench-report block regenerated, and one message per block.
 
-    `sources` maps a kind ('bench', 'memory') to the results files to use; a kind it lacks
-    falls back on the files the block's own marker names."""
+    `sources` maps a kind ('bench', 'memory', 'cold_start') to the results files to use; a
+    kind it lacks falls back on the files the block's own marker names."""
     cache = {} if cache is None else cache
     notes = []
 
     def load(path):
         if path not in cache:
-            kind, data = load_result(os.path.join(root, path))
-            cache[path] = (kind, data)
+            cache[path] = load_result(os.path.join(root, path))
         return cache[path]
 
     def replace(m):
@@ -339,8 +436,8 @@ def rewrite_blocks(text: str, sources: dict[str, list[str]], root: str,
             notes.append(f"{name}: no {kind} results given or named: left as it is")
             return m.group(0)
         loaded = [(p, load(p)) for p in paths]
-        wrong = [p for p, (k, _) in loaded if k != kind]
-        if wrong:
+        wrong = [p for p, (kinds, _) in loaded if kind not in kinds]
+        if wrong and name not in _ANY_SOURCE:
             raise ValueError(f"block {name} needs {kind} results, not {wrong}")
         body = render([(p, data) for p, (_, data) in loaded])
         notes.append(f"{name}: from {', '.join(paths)}")
@@ -356,13 +453,14 @@ def run_report(files: list[str], docs: str = "docs", readme: str = "README.md",
     plots in `docs`). Returns {"changed": [...], "notes": [...], "plots": [...]}; with `check`
     nothing is written and "changed" lists the files whose blocks are out of date."""
     sources: dict[str, list[str]] = {}
-    cache: dict[str, tuple[str, dict]] = {}
+    cache: dict[str, tuple[list[str], dict]] = {}
     for path in files:
         rel = os.path.relpath(os.path.abspath(path), os.path.abspath(root))
         rel = path if rel.startswith("..") else rel
-        kind, data = load_result(os.path.join(root, rel))
-        cache[rel] = (kind, data)
-        sources.setdefault(kind, []).append(rel)
+        kinds, data = load_result(os.path.join(root, rel))
+        cache[rel] = (kinds, data)
+        for kind in kinds:
+            sources.setdefault(kind, []).append(rel)
     changed, notes = [], []
     for target in (os.path.join(docs, "performance.md"), readme):
         full = os.path.join(root, target)
@@ -390,12 +488,12 @@ def run_report(files: list[str], docs: str = "docs", readme: str = "README.md",
 def _write_plots(cache: dict, docs_dir: str) -> list[str]:
     from pallas_flash.bench.plots import plot_cases, plot_memory
     written = []
-    bench_rows = [r for kind, data in cache.values() if kind == "bench"
+    bench_rows = [r for kinds, data in cache.values() if "bench" in kinds
                   for r in data["results"] if not r["variant"]]
     path = os.path.join(docs_dir, "performance_speed.png")
     if bench_rows and plot_cases(bench_rows, path):
         written.append(path)
-    sweeps = [data["memory"] for kind, data in cache.values() if kind == "memory"]
+    sweeps = [data["memory"] for kinds, data in cache.values() if "memory" in kinds]
     path = os.path.join(docs_dir, "performance_memory.png")
     if sweeps and plot_memory({"points": [p for m in sweeps for p in m["points"]]}, path):
         written.append(path)
