@@ -71,8 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
     rep = p.add_argument_group("report (runs nothing: turns results JSON into docs)")
     rep.add_argument("--report", nargs="*", metavar="RESULTS.json", default=None,
                      help="rewrite the bench-report blocks of DOCS/performance.md and README "
-                          "from these benchmark or --memory JSON files (none: from the files "
-                          "each block names), and the plots in DOCS")
+                          "from these benchmark, --memory or --cold-start JSON files (none: "
+                          "from the files each block names), and the plots in DOCS")
     rep.add_argument("--docs", default="docs", help="docs folder for --report (default docs)")
     rep.add_argument("--readme", default="README.md",
                      help="README for --report's headline block (default README.md)")
