@@ -84,7 +84,7 @@ def assert_close(name, actual, expected, tol, floor=0.0):
         )
 
 
-def _outputs_and_grads(fn, q, k, v, do, dlse, kwargs):
+def outputs_and_grads(fn, q, k, v, do, dlse, kwargs):
     """O, lse and the vjp (dq, dk, dv) of fn for cotangents (do, dlse), in one jitted call.
 
     dlse is applied to finite lse entries only: a row that sees no key has lse = -inf in both
@@ -94,7 +94,8 @@ def _outputs_and_grads(fn, q, k, v, do, dlse, kwargs):
     @jax.jit
     def run(q, k, v, do, dlse):
         (out, lse), vjp = jax.vjp(lambda q, k, v: fn(q, k, v, return_lse=True, **kwargs), q, k, v)
-        grads = vjp((do.astype(out.dtype), jnp.where(jnp.isfinite(lse), dlse, 0.0).astype(lse.dtype)))
+        dlse = jnp.where(jnp.isfinite(lse), dlse, 0.0).astype(lse.dtype)
+        grads = vjp((do.astype(out.dtype), dlse))
         return out, lse, grads
 
     return run(q, k, v, do, dlse)
@@ -112,12 +113,12 @@ def check_against_reference(q, k, v, do, *, key=None, tol=None, **kwargs):
     key = jax.random.PRNGKey(1) if key is None else key
     dlse = jax.random.normal(key, (q.shape[0], q.shape[2], q.shape[1]), ref_dtype)
 
-    out, lse, grads = _outputs_and_grads(pf.flash_attention, q, k, v, do, dlse, kwargs)
+    out, lse, grads = outputs_and_grads(pf.flash_attention, q, k, v, do, dlse, kwargs)
     up = lambda x: x.astype(ref_dtype)  # noqa: E731
     # Options that only steer the kernels (how, not what) are not the reference's business.
     kernel_only = ("precision", "config", "backend", "interpret")
     ref_kwargs = {name: value for name, value in kwargs.items() if name not in kernel_only}
-    ref_out, ref_lse, ref_grads = _outputs_and_grads(
+    ref_out, ref_lse, ref_grads = outputs_and_grads(
         pf.reference_attention, up(q), up(k), up(v), up(do), dlse, ref_kwargs)
 
     assert out.dtype == q.dtype and out.shape == q.shape
@@ -171,15 +172,22 @@ def example_module(path, name):
         sys.modules.pop(spec.name, None)
 
 
-# ---- the Mosaic backward kernels' tests (test_mosaic_backward.py, test_mosaic_fused.py) ---------
+_PRECISIONS = {None: lax.Precision.DEFAULT, "default": lax.Precision.DEFAULT,
+               "high": lax.Precision.HIGH, "highest": lax.Precision.HIGHEST}
 
-def mosaic_spec(sq, skv, d, dtype, *, causal=False, alignment="top_left", window=None,
-                softcap=None, has_segments=False, interpret=None):
-    """The AttentionSpec the kernels receive; interpret mode off a GPU unless told."""
+
+def make_spec(seq_q, seq_kv, head_dim, dtype, *, causal=False, causal_alignment="top_left",
+              window=None, softcap=None, scale=None, has_segments=False, precision=None,
+              interpret=None) -> AttentionSpec:
+    """The AttentionSpec a kernel receives, built as flash_attention builds it (options named as
+    flash_attention names them); interpret mode exactly when there is no GPU, unless told."""
     return AttentionSpec(
-        mask=make_mask_spec(sq, skv, causal=causal, causal_alignment=alignment, window=window),
-        scale=1.0 / math.sqrt(d), softcap=softcap, has_segments=has_segments,
-        precision=lax.Precision.DEFAULT, config=pf.default_config(d, dtype),
+        mask=make_mask_spec(seq_q, seq_kv, causal=causal, causal_alignment=causal_alignment,
+                            window=window),
+        scale=1.0 / math.sqrt(head_dim) if scale is None else scale, softcap=softcap,
+        has_segments=has_segments,
+        precision=_PRECISIONS[precision],
+        config=pf.default_config(head_dim, dtype),
         interpret=(not ON_GPU) if interpret is None else interpret)
 
 

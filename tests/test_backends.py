@@ -14,48 +14,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax import lax
 
 import pallas_flash as pf
 from pallas_flash import attention, guarded
 from pallas_flash.mosaic import forward as mosaic_forward
 from pallas_flash.triton import backward as triton_backward
 from pallas_flash.triton import forward as triton_forward
-from pallas_flash.masking import make_mask_spec
-from pallas_flash.spec import AttentionSpec
-from helpers import (TOLERANCE, assert_close, check_against_reference, kernel_names,
-                     random_inputs)
+from backends import IS_HOPPER, ON_GPU
+from helpers import TOLERANCE, assert_close, kernel_names, make_spec, random_inputs
 
-ON_GPU = jax.default_backend() == "gpu"
-IS_HOPPER = ON_GPU and str(getattr(jax.devices()[0], "compute_capability", "")) == "9.0"
 needs_mosaic = pytest.mark.skipif(ON_GPU and not IS_HOPPER, reason="Mosaic GPU needs sm_90")
 
 # 128 query rows (two 64-row warpgroups), 128 keys, GQA.
 SHAPE = (1, 128, 128, 4, 2, 64)
-
-
-@needs_mosaic
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_mosaic_backend_matches_reference(causal):
-    # O and lse from the Mosaic forward, dq, dk, dv from the Mosaic backward reading its row
-    # statistics: all five against the float32 reference.
-    q, k, v, do = random_inputs(jax.random.PRNGKey(81), *SHAPE, jnp.bfloat16)
-    check_against_reference(q, k, v, do, causal=causal, backend="mosaic")
-
-
-@needs_mosaic
-def test_mosaic_against_triton_and_reference():
-    q, k, v, _ = random_inputs(jax.random.PRNGKey(82), *SHAPE, jnp.float16)
-    tol = TOLERANCE[jnp.dtype(jnp.float16)]
-    mosaic = pf.flash_attention(q, k, v, causal=True, return_lse=True, backend="mosaic")
-    triton = pf.flash_attention(q, k, v, causal=True, return_lse=True, backend="triton")
-    ref = pf.reference_attention(*(x.astype(jnp.float32) for x in (q, k, v)), causal=True,
-                                 return_lse=True)
-    for name, got, want in (("out vs triton", mosaic[0], triton[0]),
-                            ("out vs reference", mosaic[0], ref[0]),
-                            ("lse vs triton", mosaic[1], triton[1]),
-                            ("lse vs reference", mosaic[1], ref[1])):
-        assert_close(name, got, want, tol, floor=1.0 if "lse" in name else 0.0)
 
 
 def test_triton_and_auto_stage_their_kernels():
@@ -63,18 +34,10 @@ def test_triton_and_auto_stage_their_kernels():
     names = kernel_names(lambda q: pf.flash_attention(q, k, v, backend="triton"), q)
     assert names == {"pallas_flash_fwd"}, names
     # auto: on an H100/H200 both forwards are staged (the Triton one predicated on the finiteness
-    # flag, guarded.py);
-    # elsewhere, and in interpret mode, Triton alone.
+    # flag, guarded.py); elsewhere, and in interpret mode, Triton alone.
     names = kernel_names(lambda q: pf.flash_attention(q, k, v), q)
     want = {"pallas_flash_fwd", "pallas_flash_mosaic_fwd"} if IS_HOPPER else {"pallas_flash_fwd"}
     assert names == want, names
-
-
-def _spec(seq_q, seq_kv, head_dim, dtype, *, causal=False, interpret=False):
-    return AttentionSpec(mask=make_mask_spec(seq_q, seq_kv, causal=causal),
-                         scale=head_dim ** -0.5, softcap=None, has_segments=False,
-                         precision=lax.Precision.DEFAULT,
-                         config=pf.default_config(head_dim, dtype), interpret=interpret)
 
 
 @pytest.mark.parametrize("sm90", [True, False], ids=["sm90", "other_gpu"])
@@ -84,7 +47,7 @@ def test_auto_choice(monkeypatch, sm90):
 
     def choice(shape=(1, 128, 128, 4, 2, 64), dtype=jnp.bfloat16, interpret=False, **kw):
         q, k, v, _ = random_inputs(jax.random.PRNGKey(88), *shape, dtype)
-        spec = _spec(shape[1], shape[2], shape[-1], dtype, interpret=interpret)
+        spec = make_spec(shape[1], shape[2], shape[-1], dtype, interpret=interpret)
         return attention._choose_backends("auto", spec, q, k, v, **kw)
 
     mosaic = ("guarded", "guarded") if sm90 else ("triton", "triton")
@@ -98,12 +61,13 @@ def test_auto_choice(monkeypatch, sm90):
     if not sm90:
         q, k, v, _ = random_inputs(jax.random.PRNGKey(88), *SHAPE, jnp.bfloat16)
         with pytest.raises(ValueError, match=r"backend='mosaic' needs an sm_90 GPU"):
-            attention._choose_backends("mosaic", _spec(128, 128, 64, jnp.bfloat16), q, k, v)
+            attention._choose_backends(
+                "mosaic", make_spec(128, 128, 64, jnp.bfloat16, interpret=False), q, k, v)
 
 
 def test_auto_is_told_whether_the_caller_chose_tiles(monkeypatch):
     # flash_attention must pass "was a config given?" as the caller made it, not after the
-    # default is filled in (that once sent every auto call on an H200 to Triton).
+    # default is filled in (which would send every auto call to Triton).
     seen = []
     real = attention._choose_backends
 
@@ -135,7 +99,7 @@ def test_guarded_forward_runs_mosaic_default_then_predicated_triton(monkeypatch)
     monkeypatch.setattr(guarded, "mosaic_forward", types.SimpleNamespace(forward=mosaic_spy))
     monkeypatch.setattr(guarded, "triton_forward", types.SimpleNamespace(forward=triton_spy))
     q, k, v, _ = random_inputs(jax.random.PRNGKey(93), 1, 128, 128, 2, 2, 64, jnp.bfloat16)
-    spec = _spec(128, 128, 64, jnp.bfloat16)
+    spec = make_spec(128, 128, 64, jnp.bfloat16, interpret=False)
     jax.eval_shape(lambda q, k, v: guarded.forward(spec, q, k, v), q, k, v)
     out_shapes = ((1, 128, 2, 64), ((1, 2, 128), (1, 2, 128)))
     assert seen == [("mosaic", None), ("triton", jnp.dtype(bool), (), out_shapes)], seen
@@ -147,7 +111,7 @@ def test_predicated_triton_forward_keeps_into_or_overwrites_all(skip):
     # skipped, every output entry is the kernel's own (into is filled with values no
     # attention result holds).
     q, k, v, _ = random_inputs(jax.random.PRNGKey(94), 1, 100, 100, 2, 1, 64, jnp.bfloat16)
-    spec = _spec(100, 100, 64, jnp.bfloat16, causal=True, interpret=not ON_GPU)
+    spec = make_spec(100, 100, 64, jnp.bfloat16, causal=True)
     want_out, want_stats = triton_forward.forward(spec, q, k, v)
     into = (jnp.full_like(want_out, 7.0),
             type(want_stats)(jnp.full_like(want_stats.m, 3.0), jnp.full_like(want_stats.r, 5.0)))
@@ -164,7 +128,7 @@ def test_predicated_triton_backward_keeps_into_or_overwrites_all(skip):
     # triton.backward with skip / into (both kernels predicated), as the forward above; GQA, a
     # partial last block.
     q, k, v, do = random_inputs(jax.random.PRNGKey(96), 1, 100, 100, 4, 2, 64, jnp.bfloat16)
-    spec = _spec(100, 100, 64, jnp.bfloat16, causal=True, interpret=not ON_GPU)
+    spec = make_spec(100, 100, 64, jnp.bfloat16, causal=True)
     out, stats = triton_forward.forward(spec, q, k, v)
     dlse = jax.random.normal(jax.random.PRNGKey(97), stats.m.shape)
     want = triton_backward.backward(spec, q, k, v, out, stats, do, dlse)
@@ -197,7 +161,7 @@ def test_preprocess_is_nonfinite_wherever_do_is():
 
 def test_predicated_triton_forward_checks_its_arguments():
     q, k, v, _ = random_inputs(jax.random.PRNGKey(95), 1, 16, 16, 1, 1, 64, jnp.bfloat16)
-    spec = _spec(16, 16, 64, jnp.bfloat16, interpret=not ON_GPU)
+    spec = make_spec(16, 16, 64, jnp.bfloat16)
     out, stats = triton_forward.forward(spec, q, k, v)
     with pytest.raises(ValueError, match="skip and into"):
         triton_forward.forward(spec, q, k, v, skip=jnp.bool_(True))
@@ -234,10 +198,9 @@ def mosaic_kernels(monkeypatch, request):
     """The Mosaic kernels for the guarded backend's tests: the real ones on an H100/H200, else
     `_leaky_stand_in()` (returned, so a test can set its mark).
 
-    Off Hopper a stand-in, because on our 2-core CI machine the suite hung intermittently while
-    Mosaic GPU's interpreter ran inside the guard, then a lax.cond (not root-caused; the interpreter
-    runs each warpgroup on its own thread). The guard's logic is what these tests test; on an
-    H100/H200 the real kernels run them compiled.
+    Off Hopper a stand-in: Mosaic GPU's interpreter, run inside the guard, can hang a 2-core
+    machine (each simulated warpgroup holds a thread of its own). The guard's logic is what
+    these tests test; on an H100/H200 the real kernels run them compiled.
     """
     if IS_HOPPER:
         return None
@@ -263,7 +226,7 @@ def test_guarded_backend_confines_nonfinite_inputs_like_triton(which, mosaic_ker
     # inputs it must give exactly the Mosaic kernels' result.
     stand_in = mosaic_kernels
     q, k, v, do = random_inputs(jax.random.PRNGKey(89), *SHAPE, jnp.bfloat16)
-    spec = _spec(128, 128, 64, jnp.bfloat16, causal=True, interpret=not ON_GPU)
+    spec = make_spec(128, 128, 64, jnp.bfloat16, causal=True)
 
     def run(backend, q, k, v, do):
         fn = attention._custom_vjp_attention(spec, backend, backend)
@@ -312,7 +275,7 @@ def test_guarded_backend_under_vmap_takes_one_flag(mosaic_kernels):
     # in one example the whole batch takes Triton's kernels, so every example equals Triton's.
     stand_in = mosaic_kernels
     q, k, v, do = random_inputs(jax.random.PRNGKey(92), 2, 128, 128, 4, 2, 64, jnp.bfloat16)
-    spec = _spec(128, 128, 64, jnp.bfloat16, causal=True, interpret=not ON_GPU)
+    spec = make_spec(128, 128, 64, jnp.bfloat16, causal=True)
 
     def grads(backend):
         fn = attention._custom_vjp_attention(spec, backend, backend)
@@ -360,7 +323,7 @@ def test_mosaic_stages_the_mosaic_forward():
     # bfloat16 without segment ids: the one-kernel backward (fused_backward.py).
     assert grad_names == {"pallas_flash_mosaic_fwd", "pallas_flash_mosaic_bwd_fused"}, grad_names
     # The Mosaic backward serves everything the Mosaic forward does (softcap, windows, any
-    # length, segment ids / lengths), so no Triton kernel follows it any more; lengths become
+    # length, segment ids / lengths), so no Triton kernel follows it; lengths become
     # segment ids, which take the two-kernel backward.
     softcap_names = kernel_names(
         jax.grad(lambda q: pf.flash_attention(
@@ -377,9 +340,7 @@ def test_any_forward_feeds_any_backward(pair):
     # The row statistics are the whole contract between the passes: each forward's must give
     # each backward the reference's gradients (triton-triton is every other test).
     q, k, v, do = random_inputs(jax.random.PRNGKey(86), *SHAPE, jnp.bfloat16)
-    spec = AttentionSpec(mask=make_mask_spec(128, 128, causal=True), scale=64 ** -0.5,
-                         softcap=None, has_segments=False, precision=lax.Precision.DEFAULT,
-                         config=pf.default_config(64, jnp.bfloat16), interpret=not ON_GPU)
+    spec = make_spec(128, 128, 64, jnp.bfloat16, causal=True)
     fn = attention._custom_vjp_attention(spec, *pair)
     (out, lse), vjp = jax.vjp(lambda q, k, v: fn(q, k, v, None, None), q, k, v)
     dlse = jax.random.normal(jax.random.PRNGKey(87), lse.shape)

@@ -179,16 +179,12 @@ def test_matches_reference_deep(dtype, data):
 
 # ---- pinned cases ------------------------------------------------------------------------------
 # Explicit cases that always run: edges that random draws reach only rarely, and every failure
-# the fuzzing finds (paste the reported Case here, with what it caught). In interpret mode none
-# has been found: the 24 fast draws and about 150 more random ones (all three dtypes) matched
-# the reference. Compiled on the H200 it found one (benchmarks/NOTES.md, run 6): a float32 call
-# with one query and one key whose dq missed the tf32 tolerance (2.4e-3 against 2e-3): with a
-# single key P = 1, so dS = P (dP - D) is a difference of two equal-sized terms, and tf32
-# rounding of dP dominates it. The float32 draws now run at precision="highest" against the
-# float32 tolerance. It is not pinned: a one-key row stays ill-conditioned in full float32 too
-# (dq = k (dP - D + dlse) scale, with dP and D equal up to rounding and summed in different
-# orders; one such draw, seed 7 at head_dim 64, is 1.2e-5 off against the 1e-5 tolerance in
-# interpret mode), so a pinned copy would test the rounding of a cancellation, not the kernels.
+# the fuzzing finds (paste the reported Case here, with what it caught). The float32 draws run
+# at precision="highest": with one query and one key P = 1, so dS = P (dP - D) is a difference
+# of two equal-sized terms, and tf32 rounding of dP alone can exceed the tf32 tolerance. Such a
+# row is not pinned: it stays ill-conditioned in full float32 too (dP and D are equal up to
+# rounding and summed in different orders), so a pinned copy would test the rounding of a
+# cancellation, not the kernels.
 
 PINNED = {
     # Every query row and key padded (length 0) under packed segments: no key is seen anywhere.

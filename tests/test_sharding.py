@@ -19,7 +19,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 from jax.test_util import check_grads
 
 import pallas_flash as pf
-from helpers import ON_GPU, TOLERANCE, _outputs_and_grads, assert_close, random_inputs
+from helpers import ON_GPU, TOLERANCE, outputs_and_grads, assert_close, random_inputs
 from pallas_flash import ring
 
 NUM_DEVICES = len(jax.devices())
@@ -57,8 +57,8 @@ def _compare(name, result, expected, dtype):
 
 
 def _single_device(q, k, v, do, dlse, **options):
-    flash = _outputs_and_grads(pf.flash_attention, q, k, v, do, dlse, options)
-    ref = _outputs_and_grads(pf.reference_attention, q, k, v, do, dlse, options)
+    flash = outputs_and_grads(pf.flash_attention, q, k, v, do, dlse, options)
+    ref = outputs_and_grads(pf.reference_attention, q, k, v, do, dlse, options)
     return flash, ref
 
 
@@ -415,7 +415,7 @@ def test_ring_attention(monkeypatch, name):
     (q, k, v, do, dlse), ids, flash, ref = _inputs_and_expected(shape, causal, packing)
     calls = _count_kernel_calls(monkeypatch, "ring")
 
-    got = _outputs_and_grads(_ring_fn(mesh, layout, ring_size, **extra), q, k, v, do, dlse,
+    got = outputs_and_grads(_ring_fn(mesh, layout, ring_size, **extra), q, k, v, do, dlse,
                              dict(causal=causal, **ids))
     jax.block_until_ready(got)
     jax.effects_barrier()

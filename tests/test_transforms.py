@@ -174,9 +174,9 @@ def test_scan_over_layers():
 
 
 def test_forward_kernel_outputs_pass_an_optimization_barrier():
-    # attention.py's forward: without the barrier XLA launched the Mosaic forward twice per
-    # layer of a scanned training step (NOTES.md run 50). Structural here: every forward
-    # kernel's outputs feed an optimization_barrier, in the forward scan of a step's gradient.
+    # attention.py's forward: without the barrier XLA can launch the Mosaic forward twice per
+    # layer of a scanned training step. Structural here: every forward kernel's outputs feed
+    # an optimization_barrier, in the forward scan of a step's gradient.
     import jax.extend
 
     q, _, _, _ = random_inputs(jax.random.PRNGKey(11), 1, 30, 30, 2, 2, 16, F32)

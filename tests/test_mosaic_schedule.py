@@ -1,0 +1,212 @@
+"""The Mosaic kernels' launch order (pallas_flash/mosaic/schedule.py).
+
+The order changes which CTAs run together, never the result: test_features.py runs the kernels
+at explicit head chunks against the reference. Here, the rules that pick the order, the grids
+they give, and the fused backward's premise that the tiles adding to a q block's dQ are one
+contiguous range.
+"""
+
+import dataclasses
+
+import jax
+import jax.extend
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import pallas_flash as pf
+from backends import IS_HOPPER, ON_GPU
+from helpers import (TOLERANCE, assert_close, backward_args, make_spec, random_inputs,
+                     reference_grads, relative_error)
+from pallas_flash import stats
+from pallas_flash.masking import make_mask_spec
+from pallas_flash.mosaic import backward as mosaic_backward
+from pallas_flash.mosaic import forward as mosaic_forward
+from pallas_flash.mosaic import fused_backward
+from pallas_flash.mosaic import schedule
+from pallas_flash.mosaic.config import (FUSED_BLOCK_Q, FUSED_CTA_KEYS, MosaicBackwardConfig,
+                                        MosaicForwardConfig, default_forward_config)
+from pallas_flash.triton import forward as triton_forward
+
+C = MosaicForwardConfig
+B = MosaicBackwardConfig
+FUSED = B(dkdv_block_q=64, fused=True)
+needs_hopper = pytest.mark.skipif(ON_GPU and not IS_HOPPER, reason="Mosaic GPU kernel needs sm_90")
+
+
+# ---- the forward and the two-kernel backward ---------------------------------------------------
+
+def test_launch_head_chunk_rule():
+    mib = 1 << 20
+    # FlashAttention-3's sections: as many heads as share 32 MB of streamed K / V.
+    assert schedule.launch_head_chunk(4 * mib, 16, True) == 8     # head_dim 128, 8k keys
+    assert schedule.launch_head_chunk(8 * mib, 16, True) == 4     # 16k keys
+    assert schedule.launch_head_chunk(8 * mib, 6, True) == 3      # the largest divisor that fits
+    assert schedule.launch_head_chunk(64 * mib, 16, True) == 1    # one head overflows L2
+    assert schedule.launch_head_chunk(1 * mib, 32, False) == 1    # no causal bound: one head
+    q = jnp.zeros((2, 8192, 32, 128), jnp.bfloat16)               # GQA 4: sections of kv heads
+    k = jnp.zeros((2, 8192, 8, 128), jnp.bfloat16)
+    for causal, cluster, chunk in ((True, 1, 32), (False, 1, 1), (False, 2, 1)):
+        spec = make_spec(8192, 8192, 128, jnp.bfloat16, causal=causal, interpret=False)
+        order = schedule.forward_order(spec, C(cluster=cluster), q, k, n_tiles=64)
+        assert order.head_chunk == chunk
+        assert order.params()["grid"] == ((2, 32, 64 // cluster) if chunk == 1 else (2, 64, 32))
+
+
+def test_backward_launch_orders():
+    q = jnp.zeros((2, 8192, 8, 256), jnp.bfloat16)
+    k = jnp.zeros((2, 8192, 4, 256), jnp.bfloat16)
+    for causal, chunks in ((True, (2, 8)), (False, (1, 1))):
+        spec = make_spec(8192, 8192, 256, jnp.bfloat16, causal=causal)
+        dkdv, dq = schedule.backward_orders(spec, B(), q, k, 128, 64)
+        # dK/dV streams the group's Q and dO (2 x 8 MB a kv head): two kv heads a section;
+        # dQ streams K and V (8 MB a kv head): four kv heads, their eight q heads.
+        assert (dkdv.head_chunk, dq.head_chunk) == chunks
+    spec = make_spec(8192, 8192, 256, jnp.bfloat16, causal=True)
+    assert [o.head_chunk for o in schedule.backward_orders(spec, B(head_chunk=1), q, k,
+                                                           128, 64)] == [1, 1]
+    with pytest.raises(ValueError, match=r"head_chunk \(3\) must divide the number of kv"):
+        schedule.backward_orders(spec, B(head_chunk=3), q, k, 128, 64)
+
+
+def test_head_chunk_must_divide_the_heads():
+    q, k, v, _ = random_inputs(jax.random.PRNGKey(0), 1, 128, 128, 6, 2, 64, jnp.bfloat16)
+    spec = make_spec(128, 128, 64, jnp.bfloat16, causal=True)
+    with pytest.raises(ValueError, match=r"head_chunk \(4\) must divide the number of q heads"):
+        mosaic_forward.forward(spec, q, k, v, config=C(head_chunk=4))
+    with pytest.raises(ValueError, match="must divide"):
+        schedule.TileGrid(4, 6, 1, head_chunk=4)
+
+
+def test_huge_batches_stay_on_cudas_x_axis():
+    # CUDA's grid y and z stop at 65535: past that many (batch, head section) pairs the grid
+    # falls back to (tile, head, batch), whose batch is CUDA's x.
+    big = schedule.TileGrid(4, 2, 40000, head_chunk=1, cluster=2)
+    assert big.tiles_slowest
+    assert big.params() == dict(grid=(4, 2, 40000), grid_names=("tile", "head", "batch"),
+                                cluster=(2, 1, 1),
+                                cluster_names=(schedule.CLUSTER_AXIS, "pair_head", "pair_batch"))
+    assert not schedule.TileGrid(4, 2, 32767, head_chunk=1).tiles_slowest
+    assert schedule.TileGrid(4, 4, 20000, head_chunk=1).tiles_slowest
+    assert not schedule.TileGrid(4, 4, 20000, head_chunk=2).tiles_slowest
+    q, k, v, _ = random_inputs(jax.random.PRNGKey(1), 70000, 8, 8, 1, 1, 64, jnp.bfloat16)
+    spec = make_spec(8, 8, 64, jnp.bfloat16, causal=True, interpret=False)
+    fn = jax.jit(lambda q, k, v: mosaic_forward.forward(spec, q, k, v))
+    text = fn.trace(q, k, v).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
+
+
+@pytest.mark.skipif(not IS_HOPPER, reason="a size where an L2 section holds fewer heads than "
+                    "the call: too slow for interpret mode")
+def test_default_sections_match_reference():
+    # 8 kv heads of 65536 keys: 32 MB of K / V each, so one kv head (and its two q heads) a
+    # section; causal bottom-right with 512 queries.
+    q, k, v, _ = random_inputs(jax.random.PRNGKey(11), 1, 512, 65536, 16, 8, 128, jnp.bfloat16)
+    spec = make_spec(512, 65536, 128, jnp.bfloat16, causal=True,
+                     causal_alignment="bottom_right", interpret=False)
+    assert schedule.forward_order(spec, default_forward_config(128, spec), q, k,
+                                  n_tiles=4).head_chunk == 2
+    out, row_stats = mosaic_forward.forward(spec, q, k, v)
+    ref, ref_lse = pf.reference_attention(*(x.astype(jnp.float32) for x in (q, k, v)),
+                                          causal=True, causal_alignment="bottom_right",
+                                          return_lse=True)
+    assert_close("O", out.astype(jnp.float32), ref, TOLERANCE[jnp.dtype(q.dtype)])
+    assert relative_error(stats.to_lse(spec, row_stats), ref_lse) < 1e-4
+
+
+# ---- the fused backward: ordered dQ adds ------------------------------------------------------
+
+@pytest.mark.parametrize("sq,skv,causal,alignment,window", [
+    (1000, 1000, False, "top_left", None),
+    (1000, 1000, True, "top_left", None),
+    (700, 1300, True, "bottom_right", None),
+    (1300, 700, True, "bottom_right", None),
+    (1300, 700, True, "top_left", None),
+    (1024, 1024, True, "top_left", (300, 0)),
+    (999, 1111, False, "top_left", (70, 200)),
+    (640, 896, False, "bottom_right", (0, 0)),
+    (100, 5000, True, "bottom_right", (130, 0)),
+])
+def test_contributing_tiles_are_the_kernels_ranges(sq, skv, causal, alignment, window):
+    """The writer waits for `tile - first(j)` earlier sums. That is right (and cannot hang)
+    only if the tiles whose streamed range holds q block j are exactly [first(j), last(j))."""
+    mask = make_mask_spec(sq, skv, causal=causal, causal_alignment=alignment, window=window)
+    n_tiles = -(-skv // FUSED_CTA_KEYS)
+    n_blocks = -(-sq // FUSED_BLOCK_Q)
+    starts = jnp.arange(n_tiles, dtype=jnp.int32) * FUSED_CTA_KEYS
+    lo, _, _, hi = jax.vmap(
+        lambda s: mask.q_blocks(s, FUSED_CTA_KEYS, FUSED_BLOCK_Q, skv, sq))(starts)
+    streams = np.zeros((n_tiles, n_blocks), bool)
+    for t in range(n_tiles):
+        streams[t, int(lo[t]):int(hi[t])] = True
+    first, last = schedule.fused_first_tiles(mask, n_blocks)
+    for j in range(n_blocks):
+        expected = np.zeros(n_tiles, bool)
+        expected[int(first[j]):int(last[j])] = True
+        np.testing.assert_array_equal(streams[:, j], expected, err_msg=f"q block {j}")
+    assert streams.any()
+
+
+def _fused_grid(spec, args, cfg):
+    """The grid of the fused kernel's launch (from the staged jaxpr)."""
+    jaxpr = jax.make_jaxpr(lambda *a: mosaic_backward.backward(spec, *a, config=cfg))(*args)
+    grids = []
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.params.get("name") == fused_backward.FUSED_KERNEL_NAME:
+                grids.append(tuple(eqn.params["meshes"][0].grid))
+            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+                walk(sub)
+
+    walk(jaxpr.jaxpr)
+    assert len(grids) == 1, grids
+    return grids[0]
+
+
+@pytest.mark.parametrize("chunk,batch,kv_heads,expected", [
+    (None, 1, 4, 4), (None, 1, 6, 2), (None, 1, 3, 1), (None, 2, 4, 1), (None, 1, 1, 1),
+    (1, 1, 4, 1), (4, 1, 8, 4), (2, 3, 2, 2)])
+def test_fused_head_chunk_rule(chunk, batch, kv_heads, expected):
+    """By default four heads interleave at batch 1 (two, or one, where four do not divide the
+    kv heads), none at batch >= 2, whose launch order already alternates between chains of dQ
+    adds."""
+    cfg = dataclasses.replace(FUSED, fused_head_chunk=chunk)
+    assert schedule.fused_head_chunk(cfg, batch, kv_heads) == expected
+    # The grid: (head chunks, tiles, chunk x batch), 2 key tiles at seq 256.
+    q, k, v, _, row_stats, do, _ = backward_args(batch, 256, 256, 2 * kv_heads, kv_heads, 128,
+                                                 jnp.bfloat16)
+    spec = make_spec(256, 256, 128, jnp.bfloat16, causal=True, interpret=False)
+    assert _fused_grid(spec, (q, k, v, q, row_stats, do, row_stats.m), cfg) == (
+        kv_heads // expected, 2, expected * batch)
+
+
+def test_fused_head_chunk_must_divide_the_kv_heads():
+    with pytest.raises(ValueError, match="fused_head_chunk=4 must divide .* 6"):
+        schedule.fused_head_chunk(dataclasses.replace(FUSED, fused_head_chunk=4), 1, 6)
+
+
+@needs_hopper
+def test_fused_head_chunks_give_the_same_bits():
+    """The adds into a q block's dQ run in tile order whatever order the CTAs launch in: every
+    chunk gives the same gradients, bit for bit, and they match the reference. Compiled, the
+    CTAs of interleaved heads run at once and their semaphores interlock; in interpret mode
+    (one CTA at a time) this checks the grid's index arithmetic."""
+    b, s, hq, hkv, d, dtype = 1, 256, 4, 4, 128, jnp.bfloat16
+    q, k, v, do = random_inputs(jax.random.PRNGKey(65), b, s, s, hq, hkv, d, dtype)
+    dlse = jax.random.normal(jax.random.PRNGKey(66), (b, hq, s), jnp.float32)
+    spec = make_spec(s, s, d, dtype, causal=True)
+    out, row_stats = triton_forward.forward(spec, q, k, v)
+    ref = reference_grads(q, k, v, do, dlse, causal=True)
+
+    def grads(chunk):
+        cfg = dataclasses.replace(FUSED, fused_head_chunk=chunk)
+        return jax.jit(lambda *a: mosaic_backward.backward(spec, *a, config=cfg))(
+            q, k, v, out, row_stats, do, dlse)
+
+    unchunked = grads(1)
+    for name, g, r in zip(("dq", "dk", "dv"), unchunked, ref):
+        assert_close(f"{name} vs reference", g, r, TOLERANCE[jnp.dtype(dtype)])
+    for chunk in (2, 4):
+        for name, g, h in zip(("dq", "dk", "dv"), grads(chunk), unchunked):
+            np.testing.assert_array_equal(np.asarray(g), np.asarray(h), err_msg=f"{name} {chunk}")
