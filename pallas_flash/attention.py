@@ -27,6 +27,7 @@ from pallas_flash import guarded, stats, validation
 from pallas_flash.config import (FlashConfig, check_shared_memory, default_config,
                                  shared_memory_limit)
 from pallas_flash.masking import CausalAlignment, fold_lengths, make_mask_spec
+from pallas_flash.sinks import apply_sinks, check_sinks
 from pallas_flash.spec import AttentionSpec
 from pallas_flash.mosaic import backward as mosaic_backward
 from pallas_flash.mosaic import forward as mosaic_forward
@@ -70,6 +71,7 @@ def flash_attention(
     causal_alignment: CausalAlignment = ...,
     window: tuple[int | None, int | None] | None = ...,
     softcap: float | None = ...,
+    sinks: jax.Array | None = ...,
     q_segment_ids: jax.Array | None = ...,
     kv_segment_ids: jax.Array | None = ...,
     q_lengths: jax.Array | None = ...,
@@ -93,6 +95,7 @@ def flash_attention(
     causal_alignment: CausalAlignment = ...,
     window: tuple[int | None, int | None] | None = ...,
     softcap: float | None = ...,
+    sinks: jax.Array | None = ...,
     q_segment_ids: jax.Array | None = ...,
     kv_segment_ids: jax.Array | None = ...,
     q_lengths: jax.Array | None = ...,
@@ -116,6 +119,7 @@ def flash_attention(
     causal_alignment: CausalAlignment = ...,
     window: tuple[int | None, int | None] | None = ...,
     softcap: float | None = ...,
+    sinks: jax.Array | None = ...,
     q_segment_ids: jax.Array | None = ...,
     kv_segment_ids: jax.Array | None = ...,
     q_lengths: jax.Array | None = ...,
@@ -138,6 +142,7 @@ def flash_attention(
     causal_alignment: CausalAlignment = "top_left",
     window: tuple[int | None, int | None] | None = None,
     softcap: float | None = None,
+    sinks: jax.Array | None = None,
     q_segment_ids: jax.Array | None = None,
     kv_segment_ids: jax.Array | None = None,
     q_lengths: jax.Array | None = None,
@@ -165,6 +170,8 @@ def flash_attention(
       window: (left, right): query i sees keys in [i - left, i + right] (shifted by the
         alignment); None on a side means unbounded. Combined with causal, right is clamped to 0.
       softcap: logits become softcap * tanh(logits / softcap) (Gemma 2).
+      sinks: float [q_heads] learnable sink logits (gpt-oss): each joins its head's softmax
+        denominator with no value row, and gets a gradient. lse then includes the sink.
       q_segment_ids, kv_segment_ids: int [batch, seq_q] / [batch, seq_kv]; a query sees only
         keys with its id (packed documents). Ids 2**31 - 2 and 2**31 - 1 are reserved.
       q_lengths, kv_lengths: int [batch] valid lengths; padded rows give 0 output and 0
@@ -195,6 +202,8 @@ def flash_attention(
     )
     if not isinstance(return_lse, (bool,)):
         raise ValueError(f"return_lse must be a bool, got {return_lse!r}")
+    if sinks is not None:
+        sinks = check_sinks(sinks, q.shape[2])
     explicit_config = config is not None  # before kernel_options fills in the default
     precision, config, interpret = kernel_options(q, precision=precision, config=config,
                                                   interpret=interpret)
@@ -219,6 +228,8 @@ def flash_attention(
                                      batch=batch, seq_q=seq_q, seq_kv=seq_kv)
     backends = _choose_backends(backend, spec, q, k, v, explicit_config=explicit_config)
     out, lse = _custom_vjp_attention(spec, *backends)(q, k, v, q_ids, kv_ids)
+    if sinks is not None:
+        out, lse = apply_sinks(out, lse, sinks)
     return (out, lse) if return_lse else out
 
 

@@ -26,6 +26,7 @@ from jax import lax
 from pallas_flash.attention import flash_attention
 from pallas_flash.config import FlashConfig
 from pallas_flash.masking import PAD_KEY_ID, PAD_QUERY_ID, make_mask_spec
+from pallas_flash.sinks import apply_sinks, check_sinks
 from pallas_flash.validation import MAX_HEAD_DIM
 
 __all__ = ["dot_product_attention", "IMPLEMENTATIONS", "FallbackWarning"]
@@ -82,6 +83,7 @@ def dot_product_attention(
     key_value_seq_lengths: jax.typing.ArrayLike | None = ...,
     local_window_size: int | tuple[int, int] | None = ..., implementation: str | None = ...,
     return_residual: Literal[False] = ..., logits_soft_cap: float | None = ...,
+    sinks: jax.typing.ArrayLike | None = ...,
     precision: Any = ..., config: FlashConfig | None = ...,
 ) -> jax.Array: ...
 
@@ -95,6 +97,7 @@ def dot_product_attention(
     key_value_seq_lengths: jax.typing.ArrayLike | None = ...,
     local_window_size: int | tuple[int, int] | None = ..., implementation: str | None = ...,
     return_residual: Literal[True], logits_soft_cap: float | None = ...,
+    sinks: jax.typing.ArrayLike | None = ...,
     precision: Any = ..., config: FlashConfig | None = ...,
 ) -> tuple[jax.Array, jax.Array]: ...
 
@@ -108,6 +111,7 @@ def dot_product_attention(
     key_value_seq_lengths: jax.typing.ArrayLike | None = ...,
     local_window_size: int | tuple[int, int] | None = ..., implementation: str | None = ...,
     return_residual: bool = ..., logits_soft_cap: float | None = ...,
+    sinks: jax.typing.ArrayLike | None = ...,
     precision: Any = ..., config: FlashConfig | None = ...,
 ) -> jax.Array | tuple[jax.Array, jax.Array]: ...
 
@@ -127,6 +131,7 @@ def dot_product_attention(
     implementation: str | None = None,
     return_residual: bool = False,
     logits_soft_cap: float | None = None,
+    sinks: jax.typing.ArrayLike | None = None,
     precision: Any = None,
     config: FlashConfig | None = None,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
@@ -160,6 +165,9 @@ def dot_product_attention(
         c * tanh(x / c) before the mask and the softmax (Gemma 2). jax.nn has no soft cap, so
         with "xla" or "cudnn", or with a `bias` or another reason to fall back to jax.nn
         (list below), it raises ValueError.
+      sinks: float [N] learnable attention-sink logits (gpt-oss), one per query head, as in
+        `flash_attention`: on the kernels and on the dense-mask path; like the soft cap it
+        raises ValueError where only jax.nn could serve the call.
       precision: (extension, kernel path only) matmul precision for float32 inputs, as in
         `flash_attention`: None/"default" (tf32 on GPUs, like XLA's default) or "highest".
       config: (extension, kernel path only) a `FlashConfig` of kernel tiles.
@@ -237,6 +245,11 @@ def dot_product_attention(
         )
     softcap = _soft_cap(logits_soft_cap)
     if implementation in ("xla", "cudnn"):
+        if sinks is not None:
+            raise ValueError(
+                f"sinks are served by the Pallas kernels only; implementation="
+                f"{implementation!r} (jax.nn.dot_product_attention) has no attention sinks"
+            )
         if softcap is not None:
             raise ValueError(
                 f"logits_soft_cap is served by the Pallas kernels only; "
@@ -272,6 +285,8 @@ def dot_product_attention(
             f"the number of query heads ({q_heads}) must be a multiple of the number of "
             f"key/value heads ({kv_heads}), got query {query.shape} and key {key.shape}"
         )
+    if sinks is not None:
+        sinks = check_sinks(jnp.asarray(sinks), q_heads)
     q_lengths = _lengths("query_seq_lengths", query_seq_lengths, batch)
     kv_lengths = _lengths("key_value_seq_lengths", key_value_seq_lengths, batch)
     window = _window(local_window_size)
@@ -285,6 +300,12 @@ def dot_product_attention(
             raise ValueError(
                 "implementation='pallas' cannot serve this call (" + "; ".join(reasons.values())
                 + "); use implementation=None to let XLA serve it"
+            )
+        if sinks is not None:
+            raise ValueError(
+                "sinks are served by the Pallas kernels only, and they cannot serve this call ("
+                + "; ".join(reasons.values()) + "); jax.nn.dot_product_attention, which would, "
+                "has no attention sinks"
             )
         if softcap is not None:
             raise ValueError(
@@ -311,7 +332,7 @@ def dot_product_attention(
             q4, k4, v4, causal=causal, scale=scale, window=window, softcap=softcap,
             q_segment_ids=q_ids, kv_segment_ids=kv_ids, q_lengths=q_lengths,
             kv_lengths=kv_lengths, return_lse=return_residual, precision=precision,
-            config=config,
+            config=config, sinks=sinks,
         )
         if not return_residual:
             return (result,)
@@ -326,7 +347,7 @@ def dot_product_attention(
     def fallback(q_lengths, kv_lengths):
         return _xla_masked_attention(
             q4, k4, v4, mask4, causal=is_causal, window=window, q_lengths=q_lengths,
-            kv_lengths=kv_lengths, scale=scale, softcap=softcap,
+            kv_lengths=kv_lengths, scale=scale, softcap=softcap, sinks=sinks,
             return_residual=return_residual,
         )
 
@@ -543,7 +564,7 @@ def _chunk_rows(batch, heads, seq_q, seq_kv) -> int:
 
 
 def _xla_masked_attention(q, k, v, mask, *, causal, window, q_lengths, kv_lengths, scale,
-                          softcap, return_residual):
+                          softcap, return_residual, sinks=None):
     """Attention with a dense mask in XLA, jax.nn's arithmetic, a chunk of queries at a time.
 
     q: [B, T, N, H]; k, v: [B, S, K, H]; mask: [B|1, N|1, T|1, S|1] boolean. Each chunk is
@@ -576,10 +597,12 @@ def _xla_masked_attention(q, k, v, mask, *, causal, window, q_lengths, kv_length
         out, lse = lax.map(jax.checkpoint(chunk), jnp.arange(chunks, dtype=jnp.int32) * rows)
         out = jnp.moveaxis(out, 0, 1).reshape(batch, chunks * rows, *out.shape[3:])
         lse = jnp.moveaxis(lse, 0, 1).reshape(batch, chunks * rows, heads)
-    out = out[:, :seq_q]
+    out, lse = out[:, :seq_q], lse[:, :seq_q]
+    if sinks is not None:
+        out, lse = apply_sinks(out, lse, sinks, heads_axis=2)
     if not return_residual:
         return (out,)
-    return out, lax.stop_gradient(lse[:, :seq_q].astype(k.dtype))
+    return out, lax.stop_gradient(lse.astype(k.dtype))
 
 
 def _xla_rows(q, k, v, visible, *, scale, softcap):

@@ -15,6 +15,7 @@ from jax import lax
 
 from pallas_flash import validation
 from pallas_flash.masking import make_mask_spec
+from pallas_flash.sinks import check_sinks
 
 __all__ = ["reference_attention"]
 
@@ -31,6 +32,7 @@ def reference_attention(
     causal_alignment: str = ...,
     window: tuple[int | None, int | None] | None = ...,
     softcap: float | None = ...,
+    sinks: jax.Array | None = ...,
     q_segment_ids: jax.Array | None = ...,
     kv_segment_ids: jax.Array | None = ...,
     q_lengths: jax.Array | None = ...,
@@ -50,6 +52,7 @@ def reference_attention(
     causal_alignment: str = ...,
     window: tuple[int | None, int | None] | None = ...,
     softcap: float | None = ...,
+    sinks: jax.Array | None = ...,
     q_segment_ids: jax.Array | None = ...,
     kv_segment_ids: jax.Array | None = ...,
     q_lengths: jax.Array | None = ...,
@@ -69,6 +72,7 @@ def reference_attention(
     causal_alignment: str = ...,
     window: tuple[int | None, int | None] | None = ...,
     softcap: float | None = ...,
+    sinks: jax.Array | None = ...,
     q_segment_ids: jax.Array | None = ...,
     kv_segment_ids: jax.Array | None = ...,
     q_lengths: jax.Array | None = ...,
@@ -87,6 +91,7 @@ def reference_attention(
     causal_alignment: str = "top_left",
     window: tuple[int | None, int | None] | None = None,
     softcap: float | None = None,
+    sinks: jax.Array | None = None,
     q_segment_ids: jax.Array | None = None,
     kv_segment_ids: jax.Array | None = None,
     q_lengths: jax.Array | None = None,
@@ -137,11 +142,17 @@ def reference_attention(
 
     logits = jnp.where(mask, logits, -jnp.inf)
     row_max = jnp.max(logits, axis=-1, keepdims=True)
+    if sinks is not None:
+        # The sink is one more logit per head in every row's softmax, with no value row.
+        sink = check_sinks(sinks, q_heads).astype(compute)[None, :, None, None]
+        row_max = jnp.maximum(row_max, sink)
     # A row that sees nothing has max -inf; subtracting 0 instead keeps exp() at exactly 0
     # and the gradient free of inf - inf.
     row_max = lax.stop_gradient(jnp.where(jnp.isfinite(row_max), row_max, 0.0))
     p = jnp.exp(logits - row_max)
     denom = jnp.sum(p, axis=-1, keepdims=True)
+    if sinks is not None:
+        denom = denom + jnp.exp(sink - row_max)
     seen = denom > 0
     safe_denom = jnp.where(seen, denom, 1.0)
     out = jnp.einsum("bhqk,bkhd->bqhd", p / safe_denom, vf, precision=lax.Precision.HIGHEST)

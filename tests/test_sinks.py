@@ -1,0 +1,149 @@
+"""Attention sinks: one extra softmax logit per query head with no value row (gpt-oss)."""
+
+from __future__ import annotations
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.test_util import check_grads
+
+import pallas_flash as pf
+from helpers import ON_GPU, assert_close, check_against_reference, random_inputs, tolerance
+
+COMPILED_ONLY = pytest.mark.skipif(not ON_GPU, reason="the Mosaic kernels run compiled on sm_90")
+
+
+def _sinks(key, heads, dtype=jnp.float32):
+    # Spread around the logits' own range, so the sink sometimes dominates a row and sometimes not.
+    return (2.0 * jax.random.normal(key, (heads,), jnp.float32)).astype(dtype)
+
+
+VARIANTS = [
+    pytest.param(dict(), id="full"),
+    pytest.param(dict(causal=True), id="causal"),
+    pytest.param(dict(causal=True, causal_alignment="bottom_right"), id="bottom-right"),
+    pytest.param(dict(window=(9, 3)), id="window"),
+    pytest.param(dict(causal=True, softcap=5.0), id="softcap"),
+    pytest.param(dict(lengths=True), id="lengths"),
+    pytest.param(dict(segments=True, causal=True), id="segments"),
+]
+
+
+def _mask_kwargs(opts, key, batch, seq_q, seq_kv):
+    opts = dict(opts)
+    if opts.pop("lengths", False):
+        # Batch 0 keeps a few queries and no keys at all: rows that see nothing but the sink.
+        opts["q_lengths"] = jnp.array([seq_q - 5, seq_q], jnp.int32)[:batch]
+        opts["kv_lengths"] = jnp.array([0, seq_kv - 3], jnp.int32)[:batch]
+    if opts.pop("segments", False):
+        ids = jnp.sort(jax.random.randint(key, (batch, seq_q), 0, 3), axis=1)
+        opts["q_segment_ids"] = ids
+        opts["kv_segment_ids"] = ids
+    return opts
+
+
+@pytest.mark.parametrize("backend", ["triton", pytest.param("auto", marks=COMPILED_ONLY),
+                                     pytest.param("mosaic", marks=COMPILED_ONLY)])
+@pytest.mark.parametrize("opts", VARIANTS)
+def test_matches_reference(opts, backend):
+    """O, lse and dq, dk, dv against reference_attention(sinks=...), random cotangents."""
+    dtype = jnp.bfloat16 if ON_GPU else jnp.float32
+    d = 64 if ON_GPU else 32
+    seq = 200 if ON_GPU else 45
+    keys = jax.random.split(jax.random.key(3), 3)
+    q, k, v, do = random_inputs(keys[0], 2, seq, seq, 4, 2, d, dtype)
+    kwargs = _mask_kwargs(opts, keys[1], 2, seq, seq)
+    check_against_reference(q, k, v, do, sinks=_sinks(keys[2], 4), backend=backend, **kwargs)
+
+
+@pytest.mark.parametrize("opts", VARIANTS[:2] + VARIANTS[5:6])
+def test_sink_gradient_matches_reference_and_the_closed_form(opts):
+    keys = jax.random.split(jax.random.key(5), 4)
+    q, k, v, do = random_inputs(keys[0], 2, 33, 40, 4, 1, 16, jnp.float32)
+    kwargs = _mask_kwargs(opts, keys[1], 2, 33, 40)
+    sinks = _sinks(keys[2], 4)
+    dlse = jax.random.normal(keys[3], (2, 4, 33), jnp.float32)
+
+    def grads(fn):
+        def loss(sinks):
+            out, lse = fn(q, k, v, sinks=sinks, return_lse=True, **kwargs)
+            return (jnp.sum(out.astype(jnp.float32) * do)
+                    + jnp.sum(jnp.where(jnp.isfinite(lse), lse * dlse, 0.0)))
+        return jax.grad(loss)(sinks)
+
+    got = grads(pf.flash_attention)
+    want = grads(pf.reference_attention)
+    assert_close("d sinks", got, want, tolerance(jnp.float32))
+    # The closed form: -sum over batch and rows of exp(sink - lse_i) * D_i, with
+    # D_i = rowsum(dO_i * O_i) - dlse_i.
+    out, lse = pf.reference_attention(q, k, v, sinks=sinks, return_lse=True, **kwargs)
+    big_d = jnp.einsum("bqhd,bqhd->bhq", do, out) - dlse
+    closed = -jnp.sum(jnp.exp(sinks[None, :, None] - lse) * big_d, axis=(0, 2))
+    assert_close("d sinks, closed form", got, closed, tolerance(jnp.float32))
+
+
+def test_row_that_sees_no_key_gives_zero_and_the_sink_as_lse():
+    q, k, v, _ = random_inputs(jax.random.key(0), 1, 8, 8, 2, 2, 16, jnp.float32)
+    sinks = jnp.array([0.5, -1.5], jnp.float32)
+    out, lse = pf.flash_attention(q, k, v, sinks=sinks, kv_lengths=jnp.array([0]),
+                                  return_lse=True)
+    assert np.all(np.asarray(out) == 0)
+    np.testing.assert_array_equal(np.asarray(lse), np.broadcast_to(sinks[None, :, None], lse.shape))
+    grads = jax.grad(lambda s: jnp.sum(pf.flash_attention(q, k, v, sinks=s,
+                                                          kv_lengths=jnp.array([0]))))(sinks)
+    assert np.all(np.isfinite(np.asarray(grads)))
+
+
+def test_check_grads_float64(x64):
+    keys = jax.random.split(jax.random.key(7), 2)
+    q, k, v, _ = random_inputs(keys[0], 1, 13, 11, 2, 1, 8, jnp.float64)
+    sinks = _sinks(keys[1], 2, jnp.float64)
+    fn = lambda q, k, v, s: pf.flash_attention(q, k, v, sinks=s, causal=True,  # noqa: E731
+                                               interpret=True)
+    check_grads(fn, (q, k, v, sinks), order=1, modes=("rev",), atol=1e-6, rtol=1e-6)
+
+
+def test_dot_product_attention_takes_sinks():
+    keys = jax.random.split(jax.random.key(9), 3)
+    q, k, v, _ = random_inputs(keys[0], 2, 24, 24, 4, 2, 32, jnp.float32)
+    sinks = _sinks(keys[1], 4)
+    want = pf.reference_attention(q, k, v, sinks=sinks, causal=True)
+    got = pf.dot_product_attention(q, k, v, is_causal=True, sinks=sinks)
+    assert_close("out, kernels", got, want, tolerance(jnp.float32))
+    # A mask the kernels cannot serve runs on the query-chunked XLA path, sinks included.
+    mask = jax.random.bernoulli(keys[2], 0.7, (2, 1, 24, 24))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the fallback's once-per-process warning
+        got = pf.dot_product_attention(q, k, v, mask=mask, sinks=sinks)
+    assert_close("out, masked fallback", got, _masked_reference(q, k, v, mask, sinks), 1e-5)
+
+
+def _masked_reference(q, k, v, mask, sinks):
+    """Plain jnp attention with a dense mask and sinks, float32."""
+    group = q.shape[2] // k.shape[2]
+    kf, vf = jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2)
+    logits = jnp.einsum("bqhd,bkhd->bhqk", q, kf, precision="highest") / np.sqrt(q.shape[-1])
+    logits = jnp.where(mask, logits, -jnp.inf)
+    sink = jnp.broadcast_to(sinks[None, :, None, None], logits.shape[:3] + (1,))
+    p = jax.nn.softmax(jnp.concatenate([logits, sink], axis=-1), axis=-1)[..., :-1]
+    return jnp.einsum("bhqk,bkhd->bqhd", p, vf, precision="highest")
+
+
+@pytest.mark.parametrize("sinks,match", [
+    (jnp.zeros((3,)), r"sinks must have shape \[q_heads\]"),
+    (jnp.zeros((4,), jnp.int32), "sinks must have a floating dtype"),
+    ([0.0] * 4, "sinks must be an array"),
+])
+def test_bad_sinks_raise(sinks, match):
+    q, k, v, _ = random_inputs(jax.random.key(0), 1, 8, 8, 4, 2, 16, jnp.float32)
+    with pytest.raises(ValueError, match=match):
+        pf.flash_attention(q, k, v, sinks=sinks)
+
+
+def test_jax_nn_implementations_refuse_sinks():
+    q, k, v, _ = random_inputs(jax.random.key(0), 1, 8, 8, 4, 2, 16, jnp.float32)
+    with pytest.raises(ValueError, match="sinks"):
+        pf.dot_product_attention(q, k, v, sinks=jnp.zeros((4,)), implementation="xla")
