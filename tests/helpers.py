@@ -16,7 +16,9 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from jax import lax
+from jax.sharding import AxisType
 
 import pallas_flash as pf
 from pallas_flash.masking import make_mask_spec
@@ -208,3 +210,37 @@ def backward_args(b, sq, skv, hq, hkv, d, dtype):
     q, k, v, do = random_inputs(jax.random.PRNGKey(94), b, sq, skv, hq, hkv, d, dtype)
     stats = RowStats(jnp.zeros((b, hq, sq), jnp.float32), jnp.zeros((b, hq, sq), jnp.float32))
     return q, k, v, q, stats, do, stats.m
+
+
+def make_mesh(shape, names, explicit=False):
+    """A mesh of the first devices (conftest.py gives the CPU four); skips the test when there
+    are too few. explicit: Explicit axis types (sharding in the type), else Auto."""
+    size = int(np.prod(shape))
+    if size > len(jax.devices()):
+        pytest.skip(f"mesh {dict(zip(names, shape))} needs {size} devices, "
+                    f"found {len(jax.devices())}")
+    kind = AxisType.Explicit if explicit else AxisType.Auto
+    return jax.make_mesh(shape, names, axis_types=(kind,) * len(shape),
+                         devices=jax.devices()[:size])
+
+
+def compare_results(name, result, expected, dtype):
+    """result / expected: (out, lse, (dq, dk, dv)), as outputs_and_grads returns them."""
+    tol = TOLERANCE[jnp.dtype(dtype)]
+    out, lse, grads = result
+    ref_out, ref_lse, ref_grads = expected
+    assert_close(f"{name} out", out, ref_out, tol)
+    # Rows that see no key must agree on lse = -inf exactly; the rest compare by value.
+    empty = np.isneginf(np.asarray(ref_lse))
+    np.testing.assert_array_equal(np.isneginf(np.asarray(lse)), empty, err_msg=f"{name} lse=-inf")
+    assert_close(f"{name} lse", np.where(empty, 0.0, lse), np.where(empty, 0.0, ref_lse), tol,
+                 floor=1.0)
+    for grad_name, g, rg in zip(("dq", "dk", "dv"), grads, ref_grads):
+        assert_close(f"{name} {grad_name}", g, rg, tol)
+
+
+def single_device(q, k, v, do, dlse, **options):
+    """(flash_attention's, reference_attention's) outputs_and_grads on one device."""
+    flash = outputs_and_grads(pf.flash_attention, q, k, v, do, dlse, options)
+    ref = outputs_and_grads(pf.reference_attention, q, k, v, do, dlse, options)
+    return flash, ref

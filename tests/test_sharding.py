@@ -1,94 +1,30 @@
-"""Sharded attention on a mesh of host devices: batch/head sharding and ring attention.
+"""Batch and head sharding (pallas_flash/sharding.py) on a mesh of host devices.
 
 conftest.py forces four CPU devices, so these run anywhere (interpret mode on the CPU). Each
 case compiles forward and backward in one jit and compares O, lse, dq, dk and dv, under random
 cotangents for both outputs, with single-device `flash_attention` and with
-`reference_attention`. Shapes are tiny: compiling the interpreted kernels dominates the time.
+`reference_attention`; the compiled program must hold no collective.
 """
 
 from __future__ import annotations
 
-import collections
 import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
-from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
-from jax.test_util import check_grads
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 import pallas_flash as pf
-from helpers import ON_GPU, TOLERANCE, outputs_and_grads, assert_close, random_inputs
-from pallas_flash import ring
+from helpers import compare_results, make_mesh, random_inputs, single_device
 
-NUM_DEVICES = len(jax.devices())
-pytestmark = pytest.mark.skipif(NUM_DEVICES < 2, reason="sharding tests need at least 2 devices "
-                                                         f"(found {NUM_DEVICES})")
+pytestmark = pytest.mark.skipif(len(jax.devices()) < 2, reason="needs at least 2 devices")
 F32 = jnp.float32
-
-
-def _mesh(shape, names, explicit=False):
-    size = int(np.prod(shape))
-    if size > NUM_DEVICES:
-        pytest.skip(f"mesh {dict(zip(names, shape))} needs {size} devices, found {NUM_DEVICES}")
-    kind = AxisType.Explicit if explicit else AxisType.Auto
-    return jax.make_mesh(shape, names, axis_types=(kind,) * len(shape),
-                         devices=jax.devices()[:size])
 
 
 def _dlse(key, q):
     return jax.random.normal(key, (q.shape[0], q.shape[2], q.shape[1]), F32)
 
-
-def _compare(name, result, expected, dtype):
-    """result / expected: (out, lse, (dq, dk, dv))."""
-    tol = TOLERANCE[jnp.dtype(dtype)]
-    out, lse, grads = result
-    ref_out, ref_lse, ref_grads = expected
-    assert_close(f"{name} out", out, ref_out, tol)
-    # Rows that see no key must agree on lse = -inf exactly; the rest compare by value.
-    empty = np.isneginf(np.asarray(ref_lse))
-    np.testing.assert_array_equal(np.isneginf(np.asarray(lse)), empty, err_msg=f"{name} lse=-inf")
-    assert_close(f"{name} lse", np.where(empty, 0.0, lse), np.where(empty, 0.0, ref_lse), tol,
-                 floor=1.0)
-    for grad_name, g, rg in zip(("dq", "dk", "dv"), grads, ref_grads):
-        assert_close(f"{name} {grad_name}", g, rg, tol)
-
-
-def _single_device(q, k, v, do, dlse, **options):
-    flash = outputs_and_grads(pf.flash_attention, q, k, v, do, dlse, options)
-    ref = outputs_and_grads(pf.reference_attention, q, k, v, do, dlse, options)
-    return flash, ref
-
-
-# ================================================================================================
-# zig-zag layout
-# ================================================================================================
-
-
-def test_zigzag_order_and_round_trip():
-    tokens = jnp.arange(8)
-    # Two devices, four chunks of two: device 0 holds chunks 0 and 3, device 1 chunks 1 and 2.
-    np.testing.assert_array_equal(pf.zigzag_permute(tokens, 2, axis=0),
-                                  [0, 1, 6, 7, 2, 3, 4, 5])
-    x = np.random.default_rng(0).normal(size=(2, 24, 3)).astype(np.float32)
-    for devices, axis in ((1, 1), (3, -2), (4, 1)):
-        permuted = pf.zigzag_permute(x, devices, axis=axis)
-        assert devices == 1 or not np.array_equal(permuted, x)
-        np.testing.assert_array_equal(pf.zigzag_unpermute(permuted, devices, axis=axis), x)
-    # Device i's shard of the permuted positions is chunks i and 2P-1-i.
-    positions = pf.zigzag_permute(jnp.arange(32), 4, axis=0).reshape(4, 8)
-    for i in range(4):
-        np.testing.assert_array_equal(positions[i, :4], np.arange(4 * i, 4 * i + 4))
-        np.testing.assert_array_equal(positions[i, 4:], np.arange(4 * (7 - i), 4 * (7 - i) + 4))
-    with pytest.raises(ValueError, match="divisible by 2 \\* num_devices"):
-        pf.zigzag_permute(jnp.arange(10), 2, axis=0)
-
-
-# ================================================================================================
-# batch / head sharding
-# ================================================================================================
 
 _COLLECTIVES = ("all-gather", "all-to-all", "all-reduce", "collective-permute", "reduce-scatter")
 
@@ -98,7 +34,7 @@ _COLLECTIVES = ("all-gather", "all-to-all", "all-reduce", "collective-permute", 
     (("data", "heads"), None, True, False),
 ])
 def test_batch_head_sharding_has_no_collectives(batch_axis, head_axis, explicit, segments):
-    mesh = _mesh((2, 2), ("data", "heads"), explicit)
+    mesh = make_mesh((2, 2), ("data", "heads"), explicit)
     q, k, v, do = random_inputs(jax.random.PRNGKey(3), 4, 40, 40, 4, 2, 16, F32)
     dlse = _dlse(jax.random.PRNGKey(4), q)
     tokens = NamedSharding(mesh, P(batch_axis, None, head_axis, None))
@@ -133,15 +69,15 @@ def test_batch_head_sharding_has_no_collectives(batch_axis, head_axis, explicit,
     assert lse.sharding.is_equivalent_to(rows, lse.ndim)
     assert all(g.sharding.is_equivalent_to(tokens, g.ndim) for g in grads)
 
-    flash, ref = _single_device(q, k, v, do, dlse, **options)
-    _compare("vs flash_attention", (out, lse, grads), flash, F32)
-    _compare("vs reference", (out, lse, grads), ref, F32)
+    flash, ref = single_device(q, k, v, do, dlse, **options)
+    compare_results("vs flash_attention", (out, lse, grads), flash, F32)
+    compare_results("vs reference", (out, lse, grads), ref, F32)
 
 
 def test_collective_check_can_fail():
     """The check above is meaningful: a layout that needs the whole sequence (inputs split
     along seq) makes the compiled program gather or shuffle."""
-    mesh = _mesh((2,), ("data",))
+    mesh = make_mesh((2,), ("data",))
     q, k, v, _ = random_inputs(jax.random.PRNGKey(5), 2, 32, 32, 2, 2, 16, F32)
     along_seq = NamedSharding(mesh, P(None, "data", None, None))
     args = [jax.device_put(x, along_seq) for x in (q, k, v)]
@@ -151,11 +87,10 @@ def test_collective_check_can_fail():
 
 
 def test_sharding_errors():
-    mesh = _mesh((2,), ("x",))
+    mesh = make_mesh((2,), ("x",))
     # Shapes are all the checks look at, so no array needs to exist.
     q = jax.ShapeDtypeStruct((2, 32, 4, 16), F32)
     k = v = jax.ShapeDtypeStruct((2, 32, 1, 16), F32)
-    short = jax.ShapeDtypeStruct((2, 16, 1, 16), F32)
     with pytest.raises(ValueError, match="number of kv heads \\(1\\).*whole GQA groups"):
         pf.sharded_flash_attention(q, k, v, mesh=mesh, head_axis="x")
     with pytest.raises(ValueError, match="'y' is not an axis of the mesh"):
@@ -165,288 +100,3 @@ def test_sharding_errors():
         pf.sharded_flash_attention(*odd, mesh=mesh, batch_axis="x")
     with pytest.raises(TypeError, match="unexpected flash_attention options \\['casual'\\]"):
         pf.sharded_flash_attention(q, k, v, mesh=mesh, casual=True)
-    with pytest.raises(ValueError, match="used twice"):
-        pf.ring_attention(q, k, v, mesh=mesh, axis_name="x", batch_axis="x")
-    with pytest.raises(ValueError, match="layout must be one of"):
-        pf.ring_attention(q, k, v, mesh=mesh, axis_name="x", layout="striped")
-    with pytest.raises(ValueError, match="divisible by 4 for the zigzag layout"):
-        cut = [jax.ShapeDtypeStruct((2, 30, *x.shape[2:]), F32) for x in (q, k, v)]
-        pf.ring_attention(*cut, mesh=mesh, axis_name="x", layout="zigzag")
-    with pytest.raises(ValueError, match="self-attention"):
-        pf.ring_attention(q, short, short, mesh=mesh, axis_name="x")
-
-
-def test_ring_segment_id_errors(monkeypatch):
-    """Bad segment ids or lengths raise a ValueError naming the argument, on both entries,
-    before any kernel is traced."""
-    mesh = _mesh((2,), ("x",))
-
-    def no_kernel(*args, **kwargs):
-        raise AssertionError("a kernel was traced before the arguments were checked")
-
-    monkeypatch.setattr(ring, "_kernel_forward", no_kernel)
-    monkeypatch.setattr(ring, "_kernel_backward", no_kernel)
-    # No trace made with these stand-ins may be reused after the test.
-    ring._sharded_ring_fn.cache_clear()
-    monkeypatch.setattr(ring, "_sharded_ring_fn",
-                        functools.lru_cache(maxsize=None)(ring._sharded_ring_fn.__wrapped__))
-    q = jax.ShapeDtypeStruct((2, 32, 4, 16), F32)
-    k = v = jax.ShapeDtypeStruct((2, 32, 2, 16), F32)
-    ids = jax.ShapeDtypeStruct((2, 32), jnp.int32)
-    lengths = jax.ShapeDtypeStruct((2,), jnp.int32)
-    cases = [
-        (dict(q_segment_ids=ids), "q_segment_ids and kv_segment_ids must be given together"),
-        (dict(kv_segment_ids=ids), "q_segment_ids and kv_segment_ids must be given together"),
-        # The per-device shard's shape, given to the global entry.
-        (dict(q_segment_ids=jax.ShapeDtypeStruct((2, 16), jnp.int32), kv_segment_ids=ids),
-         "q_segment_ids must have shape \\[batch, seq\\] = \\(2, 32\\), got \\(2, 16\\)"),
-        (dict(q_segment_ids=ids, kv_segment_ids=jax.ShapeDtypeStruct((2, 32), F32)),
-         "kv_segment_ids must have an integer dtype, got float32"),
-        (dict(q_segment_ids=[[0] * 32] * 2, kv_segment_ids=ids),
-         "q_segment_ids must be an array, got list"),
-        (dict(q_lengths=ids), "q_lengths must have shape \\[batch\\] = \\(2,\\)"),
-        (dict(kv_lengths=jax.ShapeDtypeStruct((2,), F32)),
-         "kv_lengths must have an integer dtype"),
-    ]
-    for options, message in cases:
-        for layout in ("contiguous", "zigzag"):
-            with pytest.raises(ValueError, match=message):
-                pf.ring_attention(q, k, v, mesh=mesh, axis_name="x", layout=layout, **options)
-    # The local entry checks against the local shard: [batch, seq / P] ids, [batch] lengths.
-    q_local = jax.ShapeDtypeStruct((2, 16, 4, 16), F32)
-    kv_local = jax.ShapeDtypeStruct((2, 16, 2, 16), F32)
-    with pytest.raises(ValueError, match="kv_segment_ids must have shape .* = \\(2, 16\\), "
-                                         "got \\(2, 32\\)"):
-        pf.ring_attention_local(q_local, kv_local, kv_local, axis_name="x",
-                                q_segment_ids=jax.ShapeDtypeStruct((2, 16), jnp.int32),
-                                kv_segment_ids=ids)
-    with pytest.raises(ValueError, match="must be given together"):
-        pf.ring_attention_local(q_local, kv_local, kv_local, axis_name="x", kv_segment_ids=ids)
-    with pytest.raises(ValueError, match="q_lengths must have shape \\[batch\\]"):
-        pf.ring_attention_local(q_local, kv_local, kv_local, axis_name="x", q_lengths=ids)
-    # Well-formed ids pass the checks, and tracing goes on to the kernels.
-    with pytest.raises(AssertionError, match="a kernel was traced"):
-        pf.ring_attention(q, k, v, mesh=mesh, axis_name="x", q_segment_ids=ids,
-                          kv_segment_ids=ids, q_lengths=lengths, kv_lengths=lengths)
-
-
-# ================================================================================================
-# ring attention
-# ================================================================================================
-
-
-def _ring_fn(mesh, layout, ring_size, *, entry="global", **ring_options):
-    """A flash_attention-like fn(q, k, v, return_lse, causal, **ids) in natural token order.
-
-    Segment ids are passed the way q, k, v are: permuted into the layout (and, for the local
-    entry, split along the sequence); lengths stay in natural positions and are not split.
-    """
-    if layout == "zigzag":
-        into = functools.partial(pf.zigzag_permute, num_devices=ring_size)
-        back = functools.partial(pf.zigzag_unpermute, num_devices=ring_size)
-    else:
-        into = back = lambda x, axis=1: x  # noqa: E731
-
-    def attend(q, k, v, return_lse=False, causal=False, **ids):
-        q, k, v = (into(x, axis=1) for x in (q, k, v))
-        ids = {name: into(x, axis=1) if name.endswith("segment_ids") else x
-               for name, x in ids.items()}
-        if entry == "global":
-            out, lse = pf.ring_attention(q, k, v, mesh=mesh, axis_name="ring", causal=causal,
-                                         layout=layout, return_lse=True, **ids, **ring_options)
-        else:
-            # The per-device function inside the caller's own shard_map.
-            tokens, rows = P(None, "ring", None, None), P(None, None, "ring")
-            names = tuple(ids)
-            id_specs = tuple(P(None, "ring") if name.endswith("segment_ids") else P(None)
-                             for name in names)
-
-            def local(q, k, v, *id_values):
-                return pf.ring_attention_local(q, k, v, axis_name="ring", causal=causal,
-                                               layout=layout, return_lse=True,
-                                               **dict(zip(names, id_values)), **ring_options)
-
-            out, lse = jax.shard_map(local, mesh=mesh, in_specs=(tokens,) * 3 + id_specs,
-                                     out_specs=(tokens, rows), check_vma=False)(
-                                         q, k, v, *ids.values())
-        out, lse = back(out, axis=1), back(lse, axis=2)
-        return (out, lse) if return_lse else out
-
-    return attend
-
-
-def _packed_ids(batch, seq, ring_size, kind):
-    """Segment-id and length options for flash_attention: kind "docs", "docs+lengths" or
-    "lengths" (padding only).
-
-    Docs: every batch row gets its own documents with random boundaries (ids not starting at 0,
-    so nothing relies on that), and some document runs across a shard boundary of the zig-zag
-    layout (whose chunks are also the contiguous layout's shard boundaries and their midpoints),
-    so one document's keys are on several devices. Lengths: q and kv lengths differ and cut
-    through zig-zag chunks, so padded queries see no key, and with docs so do some real queries
-    (their document's keys are all padding).
-    """
-    options = {}
-    ids = np.zeros((batch, seq), np.int32)
-    if "docs" in kind:
-        rng = np.random.default_rng(seq + batch)
-        chunk = seq // (2 * ring_size)
-        for b in range(batch):
-            starts = np.zeros(seq, bool)
-            starts[rng.choice(np.arange(1, seq), size=5, replace=False)] = True
-            ids[b] = 3 * np.cumsum(starts) + 7 + b
-            crosses = [ids[b, c * chunk - 1] == ids[b, c * chunk]
-                       for c in range(1, 2 * ring_size)]
-            assert any(crosses), "no document crosses a shard boundary"
-        options.update(q_segment_ids=jnp.asarray(ids), kv_segment_ids=jnp.asarray(ids))
-    if "lengths" in kind:
-        assert seq % 16 == 0
-        q_lengths = np.array([seq, seq * 11 // 16 + 1][:batch], np.int32)
-        kv_lengths = np.array([seq * 13 // 16 + 3, seq][:batch], np.int32)
-        if "docs" in kind:
-            real_q = np.arange(seq)[None, :] < q_lengths[:, None]
-            real_kv = np.arange(seq)[None, :] < kv_lengths[:, None]
-            sees = ((ids[:, :, None] == ids[:, None, :]) & real_kv[:, None, :]).any(-1)
-            assert (real_q & ~sees).any(), "no real query whose document has only padded keys"
-        options.update(q_lengths=jnp.asarray(q_lengths), kv_lengths=jnp.asarray(kv_lengths))
-    return options
-
-
-@functools.lru_cache(maxsize=None)
-def _inputs_and_expected(shape, causal, packing=None):
-    """Inputs, cotangents, the segment-id options, and the single-device flash and reference
-    results (cached: several ring cases share them, and each costs a compile). packing: None,
-    or (ring size, kind) for `_packed_ids`."""
-    batch, seq, q_heads, kv_heads, head_dim = shape
-    q, k, v, do = random_inputs(jax.random.PRNGKey(7), batch, seq, seq, q_heads, kv_heads,
-                                head_dim, F32)
-    dlse = _dlse(jax.random.PRNGKey(8), q)
-    ids = {} if packing is None else _packed_ids(batch, seq, *packing)
-    flash, ref = _single_device(q, k, v, do, dlse, causal=causal, **ids)
-    return (q, k, v, do, dlse), ids, jax.device_get(flash), jax.device_get(ref)
-
-
-def _count_kernel_calls(monkeypatch, axis_name):
-    """Wraps the ring's kernels so that every call that actually executes (not merely traced:
-    a lax.cond branch not taken never runs its callback) records (ring position, q rows,
-    kv rows)."""
-    calls = {"forward": collections.Counter(), "backward": collections.Counter()}
-
-    def counted(kind, kernel):
-        def record(device, rows, cols):
-            calls[kind][(int(device), int(rows), int(cols))] += 1
-
-        def wrapper(spec, q, k, *args, **kwargs):
-            jax.debug.callback(record, jax.lax.axis_index(axis_name), q.shape[1], k.shape[1])
-            return kernel(spec, q, k, *args, **kwargs)
-
-        return wrapper
-
-    monkeypatch.setattr(ring, "_kernel_forward", counted("forward", ring._kernel_forward))
-    monkeypatch.setattr(ring, "_kernel_backward",
-                        counted("backward", ring._kernel_backward))
-    # Traces made with the unwrapped kernels must not be reused, nor ours kept after the test.
-    ring._sharded_ring_fn.cache_clear()
-    monkeypatch.setattr(ring, "_sharded_ring_fn",
-                        functools.lru_cache(maxsize=None)(ring._sharded_ring_fn.__wrapped__))
-    return calls
-
-
-def _expected_pairs(ring_size, layout, causal, seq):
-    """The (q rows, kv rows) kernel calls each ring position must run, sorted."""
-    local = seq // ring_size
-    half = local // 2
-    pairs = {}
-    for d in range(ring_size):
-        if not causal:
-            want = [(local, local)] * ring_size
-        elif layout == "contiguous":
-            # Position d sees the K/V of positions 0..d: d + 1 pairs (the diagonal one causal);
-            # the P - 1 - d later ones are fully masked and must not run at all.
-            want = [(local, local)] * (d + 1)
-        else:
-            # Zig-zag: the diagonal plus P - 1 half pairs, the same work on every position.
-            want = [(local, local)] + [(local, half)] * d + [(half, local)] * (ring_size - 1 - d)
-        pairs[d] = sorted(want)
-    return pairs
-
-
-RING_CASES = {
-    # name: (ring size, layout, causal, (batch, seq, q_heads, kv_heads, head_dim), extra)
-    "4_contiguous": (4, "contiguous", False, (1, 64, 4, 2, 16), {}),
-    "4_contiguous_causal": (4, "contiguous", True, (1, 64, 4, 2, 16), {}),
-    "4_zigzag_causal": (4, "zigzag", True, (1, 64, 4, 2, 16), {}),
-    "2_zigzag_causal_mqa_local": (2, "zigzag", True, (1, 64, 3, 1, 32), {"entry": "local"}),
-    "2x2_contiguous_causal_data_explicit": (2, "contiguous", True, (2, 64, 4, 2, 16),
-                                            {"data": 2, "explicit": True}),
-    # Packed documents (segment ids), GQA, each layout causal and not, with and without
-    # padding lengths; and lengths alone (ids made of padding only).
-    "4_contiguous_docs": (4, "contiguous", False, (2, 64, 4, 2, 16), {"ids": "docs"}),
-    "4_contiguous_causal_docs_lengths": (4, "contiguous", True, (2, 64, 4, 2, 16),
-                                         {"ids": "docs+lengths"}),
-    "4_zigzag_causal_docs": (4, "zigzag", True, (2, 64, 4, 2, 16), {"ids": "docs"}),
-    "2_zigzag_docs_lengths_local": (2, "zigzag", False, (2, 64, 4, 2, 16),
-                                    {"ids": "docs+lengths", "entry": "local"}),
-    "2_zigzag_causal_lengths_only": (2, "zigzag", True, (2, 32, 2, 1, 16), {"ids": "lengths"}),
-    # Ids split over the data axis too (segment ids by batch and sequence, lengths by batch).
-    "2x2_contiguous_causal_docs_data_explicit": (2, "contiguous", True, (2, 64, 4, 2, 16),
-                                                 {"data": 2, "explicit": True,
-                                                  "ids": "docs+lengths"}),
-}
-
-
-@pytest.mark.parametrize("name", list(RING_CASES))
-def test_ring_attention(monkeypatch, name):
-    """O, lse, dq, dk, dv against single-device flash_attention and the reference, and the
-    kernel calls that actually ran on each ring position: fully masked chunk pairs never run,
-    and zig-zag gives every position the same work. With segment ids (and lengths) both sides
-    get the same ids, in natural order; the ring gets them in its layout."""
-    ring_size, layout, causal, shape, extra = RING_CASES[name]
-    extra = dict(extra)
-    data = extra.pop("data", 1)
-    explicit = extra.pop("explicit", False)
-    ids_kind = extra.pop("ids", None)
-    if data > 1:
-        mesh = _mesh((data, ring_size), ("data", "ring"), explicit)
-        extra["batch_axis"] = "data"
-    else:
-        mesh = _mesh((ring_size,), ("ring",), explicit)
-    packing = None if ids_kind is None else (ring_size, ids_kind)
-    (q, k, v, do, dlse), ids, flash, ref = _inputs_and_expected(shape, causal, packing)
-    calls = _count_kernel_calls(monkeypatch, "ring")
-
-    got = outputs_and_grads(_ring_fn(mesh, layout, ring_size, **extra), q, k, v, do, dlse,
-                             dict(causal=causal, **ids))
-    jax.block_until_ready(got)
-    jax.effects_barrier()
-    _compare("vs flash_attention", got, flash, F32)
-    _compare("vs reference", got, ref, F32)
-
-    expected = _expected_pairs(ring_size, layout, causal, shape[1])
-    for kind in ("forward", "backward"):
-        ran = {d: sorted((rows, cols) for (dev, rows, cols), n in calls[kind].items()
-                         if dev == d for _ in range(n)) for d in range(ring_size)}
-        # Every data-parallel replica of a ring position runs the same calls.
-        want = {d: sorted(pairs * data) for d, pairs in expected.items()}
-        assert ran == want, (kind, ran, want)
-        if causal and layout == "zigzag":
-            work = {d: sum(r * c for r, c in pairs) for d, pairs in ran.items()}
-            assert len(set(work.values())) == 1, (kind, work)
-
-
-@pytest.mark.skipif(ON_GPU, reason="float64 runs in interpret mode only (CPU)")
-def test_ring_check_grads_float64(x64):
-    mesh = _mesh((2,), ("ring",))
-    keys = jax.random.split(jax.random.PRNGKey(11), 4)
-    q = jax.random.normal(keys[0], (1, 32, 4, 16), jnp.float64)
-    k = jax.random.normal(keys[1], (1, 32, 2, 16), jnp.float64)
-    v = jax.random.normal(keys[2], (1, 32, 2, 16), jnp.float64)
-    w = jax.random.normal(keys[3], (1, 4, 32), jnp.float64)
-
-    def f(q, k, v):
-        out, lse = pf.ring_attention(q, k, v, mesh=mesh, axis_name="ring", causal=True,
-                                     layout="zigzag", return_lse=True)
-        # lse is in the output, so the lse cotangent path of the backward ring is checked too.
-        return out, lse * w
-
-    check_grads(f, (q, k, v), order=1, modes=["rev"], atol=1e-6, rtol=1e-6)
