@@ -366,25 +366,26 @@ def _params(backends, cases):
 MATRIX = _params(BACKENDS, CASES)
 
 
-def _inputs(c: Case):
-    b, sq, skv, hq, _, _ = c.shape
-    seed = zlib.crc32(c.key().encode())
-    q, k, v, do = random_inputs(jax.random.PRNGKey(seed), *c.shape, c.dtype)
-    do = (do.astype(jnp.float32) * c.do_scale).astype(c.dtype)
+def _inputs(case: Case):
+    """q, k, v, the cotangents dO and dlse, and the id options; seeded by the case's key."""
+    b, sq, skv, hq, _, _ = case.shape
+    seed = zlib.crc32(case.key().encode())
+    q, k, v, do = random_inputs(jax.random.PRNGKey(seed), *case.shape, case.dtype)
+    do = (do.astype(jnp.float32) * case.do_scale).astype(case.dtype)
     dlse = jax.random.normal(jax.random.PRNGKey(seed + 1), (b, hq, sq), jnp.float32)
-    ids = c.ids(np.random.RandomState(seed % 2**31), b, sq, skv) if c.ids else {}
+    ids = case.ids(np.random.RandomState(seed % 2**31), b, sq, skv) if case.ids else {}
     ids = {name: value for name, value in ids.items() if value is not None}
     return q, k, v, do, dlse, ids
 
 
-def _spec(c: Case, ids, **kwargs):
-    _, sq, skv, _, _, d = c.shape
-    return make_spec(sq, skv, d, c.dtype, has_segments=bool(ids), **c.options, **kwargs)
+def _spec(case: Case, has_segments: bool, **kwargs):
+    _, sq, skv, _, _, d = case.shape
+    return make_spec(sq, skv, d, case.dtype, has_segments=has_segments, **case.options, **kwargs)
 
 
-def _check_forward(spec, c, out, row_stats, ref_out, ref_lse, tol):
-    q_shape = c.shape[:2] + (c.shape[3], c.shape[5])
-    assert out.dtype == jnp.dtype(c.dtype) and out.shape == q_shape, (out.dtype, out.shape)
+def _check_forward(spec, case, out, row_stats, ref_out, ref_lse, tol):
+    q_shape = case.shape[:2] + (case.shape[3], case.shape[5])
+    assert out.dtype == jnp.dtype(case.dtype) and out.shape == q_shape, (out.dtype, out.shape)
     lse = np.asarray(stats.to_lse(spec, row_stats))
     empty = ~np.isfinite(np.asarray(ref_lse))
     np.testing.assert_array_equal(lse == -np.inf, empty,
@@ -402,29 +403,30 @@ def _check_forward(spec, c, out, row_stats, ref_out, ref_lse, tol):
 
 @pytest.mark.parametrize("backend,case,tiles", MATRIX)
 def test_matches_reference(backend, case, tiles):
-    c = case
-    q, k, v, do, dlse, ids = _inputs(c)
-    spec = _spec(c, ids)
-    passes = backend.passes & c.passes
-    fwd_config, bwd_config = backend.tiles(c)[tiles]
+    """The case's passes on this backend at these tiles, against the reference."""
+    q, k, v, do, dlse, ids = _inputs(case)
+    spec = _spec(case, bool(ids))
+    passes = backend.passes & case.passes
+    fwd_config, bwd_config = backend.tiles(case)[tiles]
     reason = backend.unsupported_reason(spec, q, k, v, passes, fwd_config, bwd_config)
     assert reason is None, reason
-    if c.expect == "fused" and backend.family == "mosaic":
+    mosaic = backend.family == "mosaic"
+    if mosaic and case.expect == "fused":
         assert mosaic_backward.uses_fused(spec, q, k,
-                                          bwd_config or default_backward_config(c.shape[-1]))
-    if c.expect == "paired" and backend.family == "mosaic":
-        assert bwd_config.dkdv_pairs(spec, c.shape[-1])
+                                          bwd_config or default_backward_config(case.shape[-1]))
+    if mosaic and case.expect == "paired":
+        assert bwd_config.dkdv_pairs(spec, case.shape[-1])
 
     q_ids = kv_ids = None
     if ids:
-        b, sq, skv = c.shape[:3]
+        b, sq, skv = case.shape[:3]
         q_ids, kv_ids = fold_lengths(ids.get("q_segment_ids"), ids.get("kv_segment_ids"),
                                      ids.get("q_lengths"), ids.get("kv_lengths"), batch=b,
                                      seq_q=sq, seq_kv=skv)
-    ref_options = dict(c.options, **ids)
+    ref_options = dict(case.options, **ids)
     ref_options.pop("precision", None)
     up = lambda x: x.astype(jnp.float32)  # noqa: E731
-    tol = tolerance(c.dtype, c.options.get("precision"))
+    tol = tolerance(case.dtype, case.options.get("precision"))
 
     if "forward" in passes:
         out, row_stats = jax.jit(lambda *a: backend.forward(spec, *a, fwd_config))(
@@ -435,13 +437,13 @@ def test_matches_reference(backend, case, tiles):
     if "backward" not in passes:
         ref_out, ref_lse = pf.reference_attention(up(q), up(k), up(v), return_lse=True,
                                                   **ref_options)
-        _check_forward(spec, c, out, row_stats, ref_out, ref_lse, tol)
+        _check_forward(spec, case, out, row_stats, ref_out, ref_lse, tol)
         return
 
     ref_out, ref_lse, ref_grads = outputs_and_grads(pf.reference_attention, up(q), up(k),
-                                                     up(v), up(do), dlse, ref_options)
+                                                    up(v), up(do), dlse, ref_options)
     if "forward" in passes:
-        _check_forward(spec, c, out, row_stats, ref_out, ref_lse, tol)
+        _check_forward(spec, case, out, row_stats, ref_out, ref_lse, tol)
     run = jax.jit(lambda *a: backend.backward(spec, *a, bwd_config))
     grads = run(q, k, v, out, row_stats, do, dlse, q_ids, kv_ids)
     empty = ~np.isfinite(np.asarray(ref_lse))
@@ -450,7 +452,7 @@ def test_matches_reference(backend, case, tiles):
         assert_close(name, g, ref, tol)
     # A row that sees no key has dq = 0 exactly.
     assert not np.asarray(grads[0], np.float32).transpose(0, 2, 1, 3)[empty].any()
-    if c.expect == "fused" and ON_GPU:
+    if mosaic and case.expect == "fused" and ON_GPU:
         # The fused backward adds dQ in a fixed order: a second call gives the same bits.
         # (The interpreter runs one CTA at a time, so there a repeat would test nothing.)
         for g, again in zip(grads, run(q, k, v, out, row_stats, do, dlse, q_ids, kv_ids)):
@@ -470,17 +472,17 @@ def test_flags_agree_with_the_kernels(backend, case):
     """Where a Mosaic backend declares a case supported, its kernels serve it at each of the
     case's tiles, in the mode the matrix runs it in (no launch; the CPU checks the compiled-only
     ones too); where the base backend declares it unsupported, they refuse it."""
-    c = case
-    b, sq, skv, hq, hkv, d = c.shape
-    q = _struct((b, sq, hq, d), c.dtype)
-    k = v = _struct((b, skv, hkv, d), c.dtype)
-    has_segments = c.ids is not None
-    if not backend.supports(c):
-        spec = _spec(c, has_segments, interpret=False)
-        assert backend.unsupported_reason(spec, q, k, v, c.passes, None, None) is not None
+    b, sq, skv, hq, hkv, d = case.shape
+    q = _struct((b, sq, hq, d), case.dtype)
+    k = v = _struct((b, skv, hkv, d), case.dtype)
+    has_segments = case.ids is not None
+    if not backend.supports(case):
+        spec = _spec(case, has_segments, interpret=False)
+        assert backend.unsupported_reason(spec, q, k, v, case.passes, None, None) is not None
         return
-    for label, (fwd, bwd) in backend.tiles(c).items():
-        interpret = not ON_GPU and c.interpret and backend.runs_interpreted(c, label)
-        spec = _spec(c, has_segments, interpret=interpret)
-        reason = backend.unsupported_reason(spec, q, k, v, backend.passes & c.passes, fwd, bwd)
+    for label, (fwd, bwd) in backend.tiles(case).items():
+        interpret = not ON_GPU and case.interpret and backend.runs_interpreted(case, label)
+        spec = _spec(case, has_segments, interpret=interpret)
+        passes = backend.passes & case.passes
+        reason = backend.unsupported_reason(spec, q, k, v, passes, fwd, bwd)
         assert reason is None, (label, reason)
