@@ -292,7 +292,7 @@ def _warn_interpret_once() -> None:
 def kernel_options(q, *, precision, config, interpret):
     """Validates and defaults the options that steer the kernels (how, not what).
 
-    Shared by every entry point that launches the kernels (flash_attention, sharding.py).
+    Shared by every entry point that launches the kernels (flash_attention, sharding.py, ring.py).
     Returns (precision as a lax.Precision, a FlashConfig, interpret as a bool).
     """
     try:
