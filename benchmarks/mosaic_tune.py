@@ -36,7 +36,6 @@ import jax.numpy as jnp  # noqa: E402
 from jax import lax  # noqa: E402
 
 import pallas_flash as pf  # noqa: E402
-from benchmarks.check_log import timed  # noqa: E402
 from pallas_flash.masking import make_mask_spec  # noqa: E402
 from pallas_flash.mosaic import backward as mb  # noqa: E402
 from pallas_flash.mosaic import config as mc  # noqa: E402
@@ -50,6 +49,22 @@ HEADS = {64: 32, 128: 16, 256: 8}
 # register_budget(4); FlashAttention-3's split). --fwd-registers is for two.
 THREE_WG_REGISTERS = (160, 32)
 
+
+
+def timed(fn, args, iters: int) -> tuple[float, float]:
+    """(seconds of the first call, which compiles; best of 3 means of `iters` back-to-back calls,
+    device synchronised once per mean)."""
+    t0 = time.monotonic()
+    jax.block_until_ready(fn(*args))
+    first = time.monotonic() - t0
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            res = fn(*args)
+        jax.block_until_ready(res)
+        best = min(best, (time.perf_counter() - t0) / iters)
+    return first, best
 
 def forward_candidates(head_dim: int, *, stages=None, pingpong=(True, False),
                        overlap=(False, True), registers=((232, 40),), cluster=(1,), block_kvs=None,
