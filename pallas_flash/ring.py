@@ -62,6 +62,7 @@ from jax.sharding import Mesh, PartitionSpec
 from pallas_flash import attention, stats, validation
 from pallas_flash.config import FlashConfig
 from pallas_flash.masking import fold_lengths, make_mask_spec
+from pallas_flash.sinks import apply_sinks, check_sinks
 from pallas_flash.sharding import (ID_OPTIONS, AxisNames, check_axes, check_divisible,
                                    check_heads, freeze_axes, partition_entry, place)
 from pallas_flash.spec import AttentionSpec
@@ -219,7 +220,7 @@ def _check_ring_shapes(q, k, layout: str, parts: int, where: str) -> None:
 def ring_attention(q, k, v, *, mesh: Mesh, axis_name: str, causal: bool = False,
                    layout: str = "contiguous", batch_axis: AxisNames = None,
                    head_axis: AxisNames = None, scale: float | None = None,
-                   softcap: float | None = None, return_lse: bool = False,
+                   softcap: float | None = None, sinks=None, return_lse: bool = False,
                    q_segment_ids=None, kv_segment_ids=None, q_lengths=None, kv_lengths=None,
                    precision=None, config: FlashConfig | None = None,
                    interpret: bool | None = None):
@@ -244,6 +245,8 @@ def ring_attention(q, k, v, *, mesh: Mesh, axis_name: str, causal: bool = False,
         layout="zigzag": tokens at natural positions >= length are padding), as in
         `flash_attention`: padded rows give 0 output and 0 gradient.
       scale, softcap, return_lse, precision, config, interpret: as for `flash_attention`.
+      sinks: float [q_heads] sink logits, as for `flash_attention`: applied to the merged
+        (O, lse) of the whole ring, so no shard pair needs to know of them.
 
     Returns:
       out [batch, seq, q_heads, head_dim] in q's dtype, or (out, lse) with return_lse (lse
@@ -267,12 +270,14 @@ def ring_attention(q, k, v, *, mesh: Mesh, axis_name: str, causal: bool = False,
     ids = _given_ids(**ids)
     fn = _sharded_ring_fn(mesh, plan, freeze_axes(batch_axis), freeze_axes(head_axis), tuple(ids))
     out, lse = fn(q, k, v, *ids.values())
+    if sinks is not None:
+        out, lse = apply_sinks(out, lse, check_sinks(sinks, q.shape[2]))
     return (out, lse) if return_lse else out
 
 
 def ring_attention_local(q, k, v, *, axis_name: str, causal: bool = False,
                          layout: str = "contiguous", scale: float | None = None,
-                         softcap: float | None = None, return_lse: bool = False,
+                         softcap: float | None = None, sinks=None, return_lse: bool = False,
                          q_segment_ids=None, kv_segment_ids=None, q_lengths=None,
                          kv_lengths=None, precision=None, config: FlashConfig | None = None,
                          interpret: bool | None = None):
@@ -296,6 +301,8 @@ def ring_attention_local(q, k, v, *, axis_name: str, causal: bool = False,
                       layout=layout, spec_of=spec_of)
     ids = _given_ids(**ids)
     out, lse = _ring_per_device(plan, tuple(ids), q, k, v, *ids.values())
+    if sinks is not None:  # this device's heads: [local q_heads]
+        out, lse = apply_sinks(out, lse, check_sinks(sinks, q.shape[2]))
     return (out, lse) if return_lse else out
 
 
