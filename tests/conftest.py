@@ -56,3 +56,19 @@ def pytest_configure(config):
 def x64():
     with jax.enable_x64(True):
         yield
+
+
+@pytest.fixture
+def kernel_calls(monkeypatch):
+    """Records every flash_attention call pf.dot_product_attention makes (its kernel path)."""
+    import pallas_flash as pf
+    from pallas_flash import nn as pf_nn
+
+    calls = []
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs)
+        return pf.flash_attention(*args, **kwargs)
+
+    monkeypatch.setattr(pf_nn, "flash_attention", spy)
+    return calls

@@ -125,19 +125,6 @@ def _fallback_warnings(record):
     return [w for w in record if issubclass(w.category, pf_nn.FallbackWarning)]
 
 
-@pytest.fixture
-def kernel_calls(monkeypatch):
-    """Records every flash_attention call the drop-in makes (i.e. the kernel path)."""
-    calls = []
-
-    def spy(*args, **kwargs):
-        calls.append(kwargs)
-        return pf.flash_attention(*args, **kwargs)
-
-    monkeypatch.setattr(pf_nn, "flash_attention", spy)
-    return calls
-
-
 def _lengths(*values):
     return jnp.array(values, jnp.int32)
 

@@ -31,19 +31,6 @@ TOL = TOLERANCE[jnp.dtype(jnp.float32)]
 GQA = (2, 20, 24, 4, 2, 16)
 
 
-@pytest.fixture
-def kernel_calls(monkeypatch):
-    """Records every flash_attention call the drop-in makes (i.e. the kernel path)."""
-    calls = []
-
-    def spy(*args, **kwargs):
-        calls.append(kwargs)
-        return pf.flash_attention(*args, **kwargs)
-
-    monkeypatch.setattr(pf_nn, "flash_attention", spy)
-    return calls
-
-
 def _inputs(shape=GQA, dtype=jnp.float32):
     return random_inputs(jax.random.PRNGKey(0), *shape, dtype)
 
