@@ -5,6 +5,7 @@
 
 from pallas_flash.attention import LSE_NAME, OUT_NAME, flash_attention
 from pallas_flash.config import FlashConfig, KernelConfig, default_config
+from pallas_flash.decode import decode_attention
 from pallas_flash.masking import segment_ids_from_cu_seqlens
 from pallas_flash.nn import dot_product_attention
 from pallas_flash.reference import reference_attention
@@ -16,6 +17,7 @@ __all__ = [
     "flash_attention",
     "dot_product_attention",
     "reference_attention",
+    "decode_attention",
     "segment_ids_from_cu_seqlens",
     "FlashConfig",
     "KernelConfig",

@@ -14,9 +14,18 @@ exposes `partial(plan, q_packed, k_cache, v_cache, kv_lengths, block_table)` (se
 from __future__ import annotations
 
 import dataclasses
+import functools
+import importlib
+from typing import Literal, overload
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+
+from pallas_flash import attention, validation
+from pallas_flash.attention import kernel_options
+from pallas_flash.sinks import apply_sinks, check_sinks
+from pallas_flash.triton import decode as triton_decode
 
 __all__ = ["decode_attention", "DecodePlan", "choose_num_splits"]
 
@@ -102,9 +111,284 @@ def partial_contract(plan: DecodePlan, q_packed: jax.Array, k_cache: jax.Array,
     raise NotImplementedError("documentation only")
 
 
-def choose_num_splits(*args, **kwargs) -> int:
-    raise NotImplementedError
+# Split rule constants (choose_num_splits).
+CTAS_PER_SM = 2        # one CTA per SM leaves too few loads in flight to saturate HBM
+MIN_CHUNK_BLOCKS = 4   # each split keeps a few blocks, so its fixed cost stays amortised
+MAX_SPLITS = 256       # bounds the combine's loop and the partials' memory
+DEFAULT_SM_COUNT = 132  # an H100/H200, for devices that do not report core_count
+MAX_Q_LEN = 16
+_BACKENDS = ("auto", "triton", "mosaic")
 
 
-def decode_attention(*args, **kwargs):
-    raise NotImplementedError
+def choose_num_splits(batch: int, kv_heads: int, max_len: int, num_sms: int,
+                      align: int = CHUNK_ALIGN) -> int:
+    """Splits per (batch, kv head) so that the grid fills every SM CTAS_PER_SM times.
+
+    Decoding is bandwidth-bound and a grid of batch * kv_heads programs leaves most SMs idle at
+    small batch, so the key positions are cut until there are about CTAS_PER_SM * num_sms
+    programs, but never into chunks under MIN_CHUNK_BLOCKS * align keys, and at most MAX_SPLITS.
+    """
+    wanted = -(-CTAS_PER_SM * num_sms // (batch * kv_heads))
+    by_length = max(1, max_len // (MIN_CHUNK_BLOCKS * align))
+    return max(1, min(wanted, by_length, MAX_SPLITS))
+
+
+def split_geometry(max_len: int, num_splits: int, align: int) -> tuple[int, int]:
+    """(num_splits, chunk): chunk a multiple of align covering max_len in at most num_splits
+    pieces; the count shrinks when rounding leaves trailing splits with no position at all."""
+    chunk = -(-max_len // num_splits)
+    chunk = -(-chunk // align) * align
+    return -(-max_len // chunk), chunk
+
+
+def _sm_count() -> int:
+    return int(getattr(jax.devices()[0], "core_count", 0) or DEFAULT_SM_COUNT)
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+
+
+def _array(name, x, rank):
+    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+        raise ValueError(f"{name} must be an array, got {type(x).__name__}")
+    if len(x.shape) != rank:
+        raise ValueError(f"{name} must have rank {rank}, got shape {tuple(x.shape)}")
+    return tuple(x.shape)
+
+
+def _validate(q, k_cache, v_cache, kv_lengths, block_table, *, scale, softcap, window, sinks,
+              return_lse, num_splits, backend, interpret) -> tuple[DecodePlan, jax.Array | None]:
+    """Every check of decode_attention, before anything is traced: (plan, sinks)."""
+    batch, q_len, q_heads, head_dim = _array("q", q, 4)
+    # q against itself: validation.validate's checks of q and its normalisation of scale,
+    # window and softcap, with flash_attention's messages.
+    opts = validation.validate(q, q, q, causal=True, scale=scale, causal_alignment="bottom_right",
+                               window=window, softcap=softcap, q_segment_ids=None,
+                               kv_segment_ids=None, q_lengths=None, kv_lengths=None)
+    if not 1 <= q_len <= MAX_Q_LEN:
+        raise ValueError(f"q must hold 1 to {MAX_Q_LEN} new tokens per sequence (q_len, its "
+                         f"second dimension), got q_len = {q_len}")
+    k_shape = _array("k_cache", k_cache, 4)
+    if _array("v_cache", v_cache, 4) != k_shape:
+        raise ValueError(f"v_cache must have k_cache's shape {k_shape}, got {v_cache.shape}")
+    for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if x.dtype != q.dtype:
+            raise ValueError(f"{name} must have q's dtype {q.dtype}, got {x.dtype}")
+    rows_or_pages, slot_len, kv_heads, cache_dim = k_shape
+    if cache_dim != head_dim:
+        raise ValueError(f"k_cache head_dim {cache_dim} does not match q head_dim {head_dim}")
+    if min(k_shape) < 1:
+        raise ValueError(f"k_cache dimensions must be >= 1, got {k_shape}")
+    if q_heads % kv_heads:
+        raise ValueError(f"the number of q heads ({q_heads}) must be a multiple of the cache's "
+                         f"kv heads ({kv_heads})")
+    if _array("kv_lengths", kv_lengths, 1) != (batch,):
+        raise ValueError(f"kv_lengths must have shape [batch] = ({batch},), got "
+                         f"{tuple(kv_lengths.shape)}")
+    if not jnp.issubdtype(kv_lengths.dtype, jnp.integer):
+        raise ValueError(f"kv_lengths must have an integer dtype, got {kv_lengths.dtype}")
+    if block_table is None:
+        if rows_or_pages != batch:
+            raise ValueError(f"k_cache of a contiguous cache must have q's batch {batch} first, "
+                             f"got shape {k_shape} (a paged cache needs block_table)")
+        max_len, pages_per_seq, page_size = slot_len, None, None
+    else:
+        table = _array("block_table", block_table, 2)
+        if table[0] != batch:
+            raise ValueError(f"block_table must have shape [batch, pages_per_seq] with batch "
+                             f"{batch}, got {table}")
+        if block_table.dtype != jnp.int32:
+            raise ValueError(f"block_table must have dtype int32, got {block_table.dtype}")
+        page_size = slot_len
+        if page_size < 16 or page_size & (page_size - 1):
+            raise ValueError(f"page_size (k_cache's second dimension) must be a power of two "
+                             f">= 16, got {page_size}")
+        pages_per_seq = table[1]
+        max_len = pages_per_seq * page_size
+    if sinks is not None:
+        sinks = check_sinks(sinks, q_heads)
+    if not isinstance(return_lse, bool):
+        raise ValueError(f"return_lse must be a bool, got {return_lse!r}")
+    if num_splits is not None and not (_is_int(num_splits) and num_splits >= 1):
+        raise ValueError(f"num_splits must be None or an int >= 1, got {num_splits!r}")
+    if backend not in _BACKENDS:
+        raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
+    _, _, interpret = kernel_options(q, precision=None, config=None, interpret=interpret)
+
+    align = max(CHUNK_ALIGN, page_size or 1)
+    if num_splits is None:
+        num_splits = choose_num_splits(batch, kv_heads, max_len, _sm_count(), align)
+    num_splits, chunk = split_geometry(max_len, int(num_splits), align)
+    group = q_heads // kv_heads
+    plan = DecodePlan(
+        batch=batch, q_len=q_len, q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim,
+        group=group, rows=group * q_len, max_len=max_len, pages_per_seq=pages_per_seq,
+        page_size=page_size, num_splits=num_splits, chunk=chunk, scale=opts.scale,
+        softcap=opts.softcap, window_left=None if opts.window is None else opts.window[0],
+        dtype=jnp.dtype(q.dtype), interpret=interpret)
+    return plan, sinks
+
+
+def _mosaic_module():
+    """pallas_flash.mosaic.decode, or None where it does not exist (imported lazily)."""
+    try:
+        return importlib.import_module("pallas_flash.mosaic.decode")
+    except ImportError:
+        return None
+
+
+def _choose_backend(backend: str, plan: DecodePlan) -> str:
+    """The one place a decode backend is chosen. "auto" never raises: Triton serves all."""
+    if backend == "triton":
+        return "triton"
+    mosaic = _mosaic_module()
+    if backend == "auto":
+        if (plan.interpret or not attention._is_sm90() or mosaic is None
+                or mosaic.unsupported_reason(plan) is not None):
+            return "triton"
+        return "mosaic"
+    if mosaic is None:
+        raise ValueError("backend='mosaic' has no decode kernel in this installation; "
+                         "backend='auto' or 'triton' can serve the call")
+    if not plan.interpret and not attention._is_sm90():
+        raise ValueError(f"backend='mosaic' needs an sm_90 GPU (H100, H200) or interpret=True; "
+                         f"this device has compute capability {attention._capability()}")
+    reason = mosaic.unsupported_reason(plan)
+    if reason is not None:
+        raise ValueError(f"backend='mosaic' cannot serve this call ({reason}); "
+                         f"backend='auto' or 'triton' can")
+    return "mosaic"
+
+
+def _backend_module(name: str):
+    return triton_decode if name == "triton" else _mosaic_module()
+
+
+def pack_queries(q, kv_heads: int):
+    """[batch, q_len, q_heads, d] -> [batch, kv_heads, q_len * group, d], row t * group + g."""
+    batch, q_len, q_heads, d = q.shape
+    group = q_heads // kv_heads
+    q = q.reshape(batch, q_len, kv_heads, group, d).transpose(0, 2, 1, 3, 4)
+    return q.reshape(batch, kv_heads, q_len * group, d)
+
+
+def unpack_rows(plan: DecodePlan, out, lse):
+    """Packed (O [batch, kv_heads, rows, d], lse [batch, kv_heads, rows]) -> out
+    [batch, q_len, q_heads, d] and lse [batch, q_heads, q_len]."""
+    b, h, t, g = plan.batch, plan.kv_heads, plan.q_len, plan.group
+    out = out.reshape(b, h, t, g, plan.head_dim).transpose(0, 2, 1, 3, 4)
+    lse = lse.reshape(b, h, t, g).transpose(0, 1, 3, 2)
+    return out.reshape(b, t, plan.q_heads, plan.head_dim), lse.reshape(b, plan.q_heads, t)
+
+
+def _no_derivative(primals, tangents):
+    raise TypeError(
+        "decode_attention is forward only: it serves sampling, where no gradient is taken. "
+        "Differentiate through pallas_flash.flash_attention (causal_alignment='bottom_right' "
+        "with kv_lengths gives the same attention) for training.")
+
+
+@functools.lru_cache(maxsize=None)
+def _decode_fn(plan: DecodePlan, backend: str, has_sinks: bool):
+    """One jitted function per static plan and backend; forward only (custom_jvp whose rule
+    raises, so jax.grad and jax.jvp stop with an explanation instead of a silent zero)."""
+
+    @jax.custom_jvp
+    def decode(q, k_cache, v_cache, kv_lengths, block_table, sinks):
+        module = _backend_module(backend)
+        lengths = jnp.clip(kv_lengths.astype(jnp.int32), 0, plan.max_len)
+        q_packed = pack_queries(q, plan.kv_heads)
+        o_part, lse_part = module.partial(plan, q_packed, k_cache, v_cache, lengths, block_table)
+        # With sinks the merged O is rescaled once more, so it stays float32 until then.
+        out_dtype = jnp.float32 if has_sinks else plan.dtype
+        if plan.num_splits == 1:
+            out, lse = o_part[:, :, 0].astype(out_dtype), lse_part[:, :, 0]
+        else:
+            out, lse = triton_decode.combine(plan, o_part, lse_part, out_dtype)
+        out, lse = unpack_rows(plan, out, lse)
+        if has_sinks:
+            out, lse = apply_sinks(out, lse, sinks)
+        return out.astype(plan.dtype), lse
+
+    decode.defjvp(_no_derivative)
+    return jax.jit(decode)
+
+
+@overload
+def decode_attention(
+    q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, *, kv_lengths: jax.Array,
+    block_table: jax.Array | None = ..., scale: float | None = ..., softcap: float | None = ...,
+    window: tuple[int | None, int | None] | None = ..., sinks: jax.Array | None = ...,
+    return_lse: Literal[False] = ..., num_splits: int | None = ..., backend: str = ...,
+    interpret: bool | None = ...,
+) -> jax.Array: ...
+
+
+@overload
+def decode_attention(
+    q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, *, kv_lengths: jax.Array,
+    block_table: jax.Array | None = ..., scale: float | None = ..., softcap: float | None = ...,
+    window: tuple[int | None, int | None] | None = ..., sinks: jax.Array | None = ...,
+    return_lse: Literal[True], num_splits: int | None = ..., backend: str = ...,
+    interpret: bool | None = ...,
+) -> tuple[jax.Array, jax.Array]: ...
+
+
+def decode_attention(
+    q: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    *,
+    kv_lengths: jax.Array,
+    block_table: jax.Array | None = None,
+    scale: float | None = None,
+    softcap: float | None = None,
+    window: tuple[int | None, int | None] | None = None,
+    sinks: jax.Array | None = None,
+    return_lse: bool = False,
+    num_splits: int | None = None,
+    backend: str = "auto",
+    interpret: bool | None = None,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
+    """Attention of a few new tokens per sequence against a K/V cache, for sampling.
+
+    Forward only: it has no gradient, and differentiating it raises a TypeError (train with
+    `flash_attention`). The keys are split across programs (split-KV), so a small batch still
+    fills the GPU.
+
+    Args:
+      q: [batch, q_len, q_heads, head_dim], 1 <= q_len <= 16: the newest tokens of each
+        sequence, aligned bottom-right: token t sits at position kv_lengths[b] - q_len + t and
+        sees the keys at positions <= that (its own included: write the new K/V into the cache
+        first).
+      k_cache, v_cache: contiguous [batch, max_len, kv_heads, head_dim], or paged
+        [num_pages, page_size, kv_heads, head_dim] (page_size a power of two >= 16) with
+        `block_table`; q's dtype. q_heads is a multiple of kv_heads (GQA, MQA).
+      kv_lengths: int [batch], the valid keys of each sequence, counting the q_len new ones.
+        Values are clipped to [0, max_len]. A token whose position is negative (kv_length <
+        q_len) sees no key: out = 0, lse = -inf.
+      block_table: int32 [batch, pages_per_seq]: logical page p of sequence b is physical page
+        block_table[b, p] (vLLM, flash_attn_with_kvcache). Entries past a sequence's length
+        are never read.
+      scale: logit multiplier; default 1/sqrt(head_dim).
+      softcap: logits become softcap * tanh(logits / softcap).
+      window: (left, right) as in flash_attention: a token at position p sees keys >= p - left
+        (None: unbounded); right is clamped to 0 by causality.
+      sinks: float [q_heads] sink logits (gpt-oss), as in flash_attention.
+      return_lse: also return lse [batch, q_heads, q_len], float32, natural log.
+      num_splits: at most this many key chunks per sequence; default by `choose_num_splits`.
+      backend: "auto" (the Mosaic kernel on an sm_90 GPU where it serves the call, else
+        Triton), "triton" or "mosaic" (ValueError when it cannot serve the call).
+      interpret: Pallas interpret mode; default: True exactly when JAX has no GPU.
+
+    Returns:
+      out [batch, q_len, q_heads, head_dim] in q's dtype, or (out, lse) with return_lse.
+    """
+    plan, sinks = _validate(q, k_cache, v_cache, kv_lengths, block_table, scale=scale,
+                            softcap=softcap, window=window, sinks=sinks, return_lse=return_lse,
+                            num_splits=num_splits, backend=backend, interpret=interpret)
+    name = _choose_backend(backend, plan)
+    out, lse = _decode_fn(plan, name, sinks is not None)(q, k_cache, v_cache, kv_lengths,
+                                                        block_table, sinks)
+    return (out, lse) if return_lse else out

@@ -1,0 +1,308 @@
+"""decode_attention: split-KV attention of a few new tokens against contiguous and paged caches.
+
+The reference is reference_attention on the same keys, each sequence's cache shifted so that its
+kv_length keys end the array (bottom-right alignment then puts token t at kv_length - q_len + t)
+and the positions before them masked off by segment ids.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+import pallas_flash as pf
+from pallas_flash import decode
+from helpers import ON_GPU, assert_close, kernel_names, tolerance
+
+IS_HOPPER = ON_GPU and str(getattr(jax.devices()[0], "compute_capability", "")) == "9.0"
+
+
+def _normal(key, shape, dtype):
+    return jax.random.normal(key, shape, jnp.float32).astype(dtype)
+
+
+def make_cache(key, batch, max_len, kv_heads, head_dim, dtype, page_size=None):
+    """(k_cache, v_cache, block_table, contiguous k, contiguous v).
+
+    Paged: each sequence's pages are a random permutation of the physical pages, with extra
+    physical pages no sequence uses (filled with NaN: they must never be read)."""
+    kk, kv, kp = jax.random.split(key, 3)
+    k = _normal(kk, (batch, max_len, kv_heads, head_dim), dtype)
+    v = _normal(kv, (batch, max_len, kv_heads, head_dim), dtype)
+    if page_size is None:
+        return k, v, None, k, v
+    pages_per_seq = max_len // page_size
+    used = batch * pages_per_seq
+    num_pages = used + 3
+    perm = jax.random.permutation(kp, num_pages)[:used].astype(jnp.int32)
+    table = perm.reshape(batch, pages_per_seq)
+
+    def scatter(x):
+        paged = jnp.full((num_pages, page_size, kv_heads, head_dim), jnp.nan, dtype)
+        pages = x.reshape(used, page_size, kv_heads, head_dim)
+        return paged.at[perm].set(pages)
+
+    return scatter(k), scatter(v), table, k, v
+
+
+def gather_pages(cache, table):
+    """The contiguous [batch, max_len, kv_heads, head_dim] view of a paged cache."""
+    pages = cache[table]  # [batch, pages_per_seq, page_size, kv_heads, head_dim]
+    b, p, s, h, d = pages.shape
+    return pages.reshape(b, p * s, h, d)
+
+
+def reference(q, k, v, kv_lengths, **opts):
+    """reference_attention in float32 with each sequence's keys moved to the end of the array."""
+    max_len = k.shape[1]
+    shift = max_len - kv_lengths
+    roll = jax.vmap(lambda x, s: jnp.roll(x, s, axis=0))
+    k, v = roll(k, shift), roll(v, shift)
+    # Positions kept: the last kv_length of the shifted cache (segment 1); query rows are 1.
+    kv_ids = (jnp.arange(max_len)[None, :] >= shift[:, None]).astype(jnp.int32)
+    q_ids = jnp.ones(q.shape[:2], jnp.int32)
+    up = lambda x: x.astype(jnp.float32)  # noqa: E731
+    return pf.reference_attention(up(q), up(k), up(v), causal=True,
+                                  causal_alignment="bottom_right", q_segment_ids=q_ids,
+                                  kv_segment_ids=kv_ids, return_lse=True, **opts)
+
+
+def check(out, lse, ref_out, ref_lse, dtype):
+    tol = tolerance(dtype)
+    assert out.dtype == dtype
+    empty = ~np.isfinite(np.asarray(ref_lse))
+    np.testing.assert_array_equal(np.asarray(lse) == -np.inf, empty,
+                                  err_msg="rows with lse = -inf differ from the reference")
+    assert_close("out", out, ref_out, tol)
+    assert_close("lse", np.where(empty, 0.0, lse), np.where(empty, 0.0, ref_lse), tol, floor=1.0)
+
+
+CASES = [
+    # (dtype, batch, q_len, q_heads, kv_heads, head_dim, max_len, page_size, lengths, options)
+    pytest.param(jnp.float32, 2, 1, 2, 2, 32, 96, None, [96, 37], dict(num_splits=1),
+                 id="f32-contiguous-mha-q1-one-split"),
+    pytest.param(jnp.bfloat16, 2, 4, 8, 2, 64, 200, None, [200, 3], dict(num_splits=3),
+                 id="bf16-contiguous-gqa4-q4-splits"),
+    pytest.param(jnp.float32, 3, 3, 8, 1, 40, 128, 16, [128, 35, 48], dict(num_splits=4),
+                 id="f32-paged16-mqa8-q3-headdim40"),
+    pytest.param(jnp.bfloat16, 2, 2, 4, 4, 32, 256, 64, [130, 64], dict(),
+                 id="bf16-paged64-mha-q2-auto-splits"),
+    pytest.param(jnp.float32, 2, 5, 4, 1, 32, 192, None, [150, 190],
+                 dict(num_splits=2, window=(20, 3)), id="f32-window"),
+    pytest.param(jnp.float32, 2, 2, 4, 2, 32, 128, 32, [100, 77],
+                 dict(num_splits=2, softcap=3.0, scale=0.3), id="f32-paged-softcap-scale"),
+    pytest.param(jnp.bfloat16, 2, 3, 8, 2, 32, 128, 16, [0, 2],
+                 dict(num_splits=2, sinks=True), id="bf16-paged-sinks-empty-rows"),
+    pytest.param(jnp.float32, 1, 16, 2, 2, 16, 64, None, [40], dict(num_splits=1, sinks=True),
+                 id="f32-q16-sinks"),
+]
+
+
+@pytest.mark.parametrize("dtype,batch,q_len,q_heads,kv_heads,head_dim,max_len,page_size,"
+                         "lengths,options", CASES)
+def test_matches_reference(dtype, batch, q_len, q_heads, kv_heads, head_dim, max_len, page_size,
+                           lengths, options):
+    key = jax.random.PRNGKey(sum(lengths) + q_len)
+    kq, kc, ks = jax.random.split(key, 3)
+    q = _normal(kq, (batch, q_len, q_heads, head_dim), dtype)
+    k_cache, v_cache, table, k, v = make_cache(kc, batch, max_len, kv_heads, head_dim, dtype,
+                                               page_size)
+    kv_lengths = jnp.array(lengths, jnp.int32)
+    options = dict(options)
+    if options.pop("sinks", False):
+        options["sinks"] = 2.0 * jax.random.normal(ks, (q_heads,), jnp.float32)
+    out, lse = pf.decode_attention(q, k_cache, v_cache, kv_lengths=kv_lengths, block_table=table,
+                                   return_lse=True, **options)
+    assert out.shape == q.shape and lse.shape == (batch, q_heads, q_len)
+    assert lse.dtype == jnp.float32
+    if table is not None:
+        np.testing.assert_array_equal(gather_pages(k_cache, table), k)
+    options.pop("num_splits", None)
+    ref_out, ref_lse = reference(q, k, v, kv_lengths, **options)
+    check(out, lse, ref_out, ref_lse, dtype)
+
+
+def test_tokens_that_see_no_key_give_zero_and_minus_inf():
+    # kv_length 0, and kv_length 2 < q_len 4: tokens 0 and 1 sit at negative positions.
+    q = _normal(jax.random.PRNGKey(0), (2, 4, 2, 16), jnp.float32)
+    k, v, *_ = make_cache(jax.random.PRNGKey(1), 2, 64, 2, 16, jnp.float32)
+    out, lse = pf.decode_attention(q, k, v, kv_lengths=jnp.array([0, 2], jnp.int32),
+                                   return_lse=True, num_splits=1)
+    np.testing.assert_array_equal(out[0], 0.0)
+    np.testing.assert_array_equal(lse[0], -np.inf)
+    np.testing.assert_array_equal(out[1, :2], 0.0)
+    np.testing.assert_array_equal(lse[1, :, :2], -np.inf)
+    assert np.isfinite(np.asarray(lse[1, :, 2:])).all()
+    sinks = jnp.array([0.5, -1.0], jnp.float32)
+    out, lse = pf.decode_attention(q, k, v, kv_lengths=jnp.array([0, 2], jnp.int32),
+                                   sinks=sinks, return_lse=True)
+    np.testing.assert_array_equal(out[0], 0.0)
+    np.testing.assert_array_equal(lse[0], np.broadcast_to(sinks[:, None], (2, 4)))
+
+
+def test_split_count_does_not_change_the_result():
+    q = _normal(jax.random.PRNGKey(2), (1, 2, 4, 32), jnp.float32)
+    k, v, *_ = make_cache(jax.random.PRNGKey(3), 1, 256, 1, 32, jnp.float32)
+    lengths = jnp.array([250], jnp.int32)
+    one = pf.decode_attention(q, k, v, kv_lengths=lengths, num_splits=1, return_lse=True)
+    four = pf.decode_attention(q, k, v, kv_lengths=lengths, num_splits=4, return_lse=True)
+    for a, b in zip(one, four):
+        assert_close("split", b, a, tolerance(jnp.float32))
+
+
+def test_kernels_are_named():
+    q = _normal(jax.random.PRNGKey(4), (1, 1, 2, 16), jnp.float32)
+    k, v, *_ = make_cache(jax.random.PRNGKey(5), 1, 128, 1, 16, jnp.float32)
+    fn = lambda q, k, v: pf.decode_attention(q, k, v, kv_lengths=jnp.array([100], jnp.int32),  # noqa: E731
+                                             num_splits=2)
+    assert {"pallas_flash_decode", "pallas_flash_decode_combine"} <= kernel_names(fn, q, k, v)
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_sampling_loop_under_jit(paged):
+    """A jitted lax.scan writes each step's K/V into the cache with dynamic_update_slice and
+    decodes against it, as a sampler does."""
+    batch, kv_heads, q_heads, d, max_len, page, steps, start = 2, 1, 2, 16, 64, 16, 3, 30
+    dtype = jnp.float32
+    k_cache, v_cache, table, k, v = make_cache(jax.random.PRNGKey(6), batch, max_len, kv_heads,
+                                               d, dtype, page if paged else None)
+    new = _normal(jax.random.PRNGKey(7), (steps, 3, batch, kv_heads, d), dtype)  # q, k, v rows
+    q_all = jnp.repeat(new[:, 0], q_heads // kv_heads, axis=2)[:, :, None]  # [steps, b, 1, h, d]
+
+    def write(cache, rows, pos):
+        if not paged:
+            return jax.vmap(lambda c, r, p: lax.dynamic_update_slice(c, r[None], (p, 0, 0)))(
+                cache, rows, pos)
+        phys = table[jnp.arange(batch), pos // page]
+        return cache.at[phys, pos % page].set(rows)
+
+    @jax.jit
+    def sample(k_cache, v_cache):
+        def step(carry, xs):
+            k_cache, v_cache, lengths = carry
+            q, k_row, v_row = xs
+            k_cache = write(k_cache, k_row, lengths)
+            v_cache = write(v_cache, v_row, lengths)
+            lengths = lengths + 1
+            out = pf.decode_attention(q, k_cache, v_cache, kv_lengths=lengths,
+                                      block_table=table, num_splits=2)
+            return (k_cache, v_cache, lengths), out
+
+        lengths = jnp.full((batch,), start, jnp.int32)
+        return lax.scan(step, (k_cache, v_cache, lengths), (q_all, new[:, 1], new[:, 2]))[1]
+
+    outs = sample(k_cache, v_cache)
+    for t in range(steps):
+        k = k.at[:, start + t].set(new[t, 1])
+        v = v.at[:, start + t].set(new[t, 2])
+        lengths = jnp.full((batch,), start + t + 1, jnp.int32)
+        ref_out, _ = reference(q_all[t], k, v, lengths)
+        assert_close(f"step {t}", outs[t], ref_out, tolerance(dtype))
+
+
+def test_differentiating_raises():
+    q = _normal(jax.random.PRNGKey(8), (1, 1, 2, 16), jnp.float32)
+    k, v, *_ = make_cache(jax.random.PRNGKey(9), 1, 64, 2, 16, jnp.float32)
+    fn = lambda q: pf.decode_attention(q, k, v, kv_lengths=jnp.array([9], jnp.int32)).sum()  # noqa: E731
+    with pytest.raises(TypeError, match="forward only.*flash_attention"):
+        jax.grad(fn)(q)
+    with pytest.raises(TypeError, match="forward only"):
+        jax.jvp(fn, (q,), (q,))
+
+
+@pytest.mark.parametrize("batch,kv_heads,max_len,sms,align,want", [
+    (1, 8, 131072, 132, 64, 33),     # batch 1: split until 2 CTAs per SM
+    (64, 8, 131072, 132, 64, 1),     # the grid already fills the GPU
+    (1, 8, 1024, 132, 64, 4),        # short cache: chunks keep 4 blocks of 64
+    (1, 1, 100, 132, 64, 1),         # shorter than 4 blocks: one split
+    (1, 1, 10 ** 7, 132, 64, 256),   # capped
+    (4, 2, 8192, 16, 256, 4),        # paged, page 256: chunks of >= 4 pages
+])
+def test_choose_num_splits(batch, kv_heads, max_len, sms, align, want):
+    assert decode.choose_num_splits(batch, kv_heads, max_len, sms, align) == want
+
+
+@pytest.mark.parametrize("max_len,splits,align,want", [
+    (200, 3, 64, (2, 128)),  # 67 rounds up to 128: two chunks cover 200
+    (256, 4, 64, (4, 64)),
+    (100, 1, 64, (1, 128)),
+    (1000, 7, 256, (4, 256)),
+])
+def test_split_geometry(max_len, splits, align, want):
+    got = decode.split_geometry(max_len, splits, align)
+    assert got == want
+    n, chunk = got
+    assert chunk % align == 0 and n * chunk >= max_len > (n - 1) * chunk
+
+
+def _valid():
+    q = jnp.zeros((2, 1, 4, 16), jnp.float32)
+    cache = jnp.zeros((5, 16, 2, 16), jnp.float32)
+    return dict(q=q, k_cache=cache, v_cache=cache, kv_lengths=jnp.zeros((2,), jnp.int32),
+                block_table=jnp.zeros((2, 3), jnp.int32))
+
+
+@pytest.mark.parametrize("change,match", [
+    (dict(q=jnp.zeros((2, 4, 16), jnp.float32)), "q must have rank 4"),
+    (dict(q=jnp.zeros((2, 17, 4, 16), jnp.float32)), "q_len"),
+    (dict(q=jnp.zeros((2, 1, 4, 16), jnp.int32)), "q must be bfloat16"),
+    (dict(q=jnp.zeros((2, 1, 3, 16), jnp.float32)), "multiple of the cache's kv heads"),
+    (dict(k_cache=jnp.zeros((5, 16, 2, 16), jnp.bfloat16)), "k_cache must have q's dtype"),
+    (dict(k_cache=jnp.zeros((5, 16, 2, 8)), v_cache=jnp.zeros((5, 16, 2, 8))), "k_cache head_dim"),
+    (dict(v_cache=jnp.zeros((5, 16, 1, 16), jnp.float32)), "v_cache must have k_cache's shape"),
+    (dict(k_cache=jnp.zeros((5, 16, 2), jnp.float32)), "k_cache must have rank 4"),
+    (dict(kv_lengths=jnp.zeros((3,), jnp.int32)), "kv_lengths must have shape"),
+    (dict(kv_lengths=jnp.zeros((2,), jnp.float32)), "kv_lengths must have an integer dtype"),
+    (dict(block_table=jnp.zeros((3, 3), jnp.int32)), "block_table must have shape"),
+    (dict(block_table=jnp.zeros((2, 3), jnp.int16)), "block_table must have dtype int32"),
+    (dict(block_table=jnp.zeros((2,), jnp.int32)), "block_table must have rank 2"),
+    (dict(k_cache=jnp.zeros((5, 24, 2, 16)), v_cache=jnp.zeros((5, 24, 2, 16))), "page_size"),
+    (dict(k_cache=jnp.zeros((5, 8, 2, 16)), v_cache=jnp.zeros((5, 8, 2, 16))), "page_size"),
+    (dict(block_table=None), "contiguous cache must have q's batch"),
+    (dict(sinks=jnp.zeros((2,), jnp.float32)), "sinks must have shape"),
+    (dict(num_splits=0), "num_splits"),
+    (dict(num_splits=2.0), "num_splits"),
+    (dict(return_lse="yes"), "return_lse"),
+    (dict(backend="cuda"), "backend must be one of"),
+    (dict(scale=0.0), "scale"),
+    (dict(softcap=-1.0), "softcap"),
+    (dict(window=(3,)), "window"),
+    (dict(interpret="yes"), "interpret"),
+])
+def test_bad_arguments_raise(change, match):
+    # Every case names its argument: the message is matched, not just the exception type.
+    args = _valid() | change
+    q, k, v = args.pop("q"), args.pop("k_cache"), args.pop("v_cache")
+    with pytest.raises(ValueError, match=match):
+        pf.decode_attention(q, k, v, **args)
+
+
+def test_auto_runs_triton_in_interpret_mode(monkeypatch):
+    chosen = []
+    monkeypatch.setattr(decode, "_backend_module",
+                        lambda name: chosen.append(name) or decode.triton_decode)
+    decode._decode_fn.cache_clear()
+    q = _normal(jax.random.PRNGKey(10), (1, 1, 2, 16), jnp.float32)
+    k, v, *_ = make_cache(jax.random.PRNGKey(11), 1, 64, 2, 16, jnp.float32)
+    pf.decode_attention(q, k, v, kv_lengths=jnp.array([5], jnp.int32), num_splits=1)
+    decode._decode_fn.cache_clear()
+    assert chosen == ["triton"]
+
+
+@pytest.mark.skipif(not IS_HOPPER, reason="the Mosaic GPU kernels run compiled on sm_90")
+@pytest.mark.parametrize("page_size", [None, 64], ids=["contiguous", "paged"])
+@pytest.mark.parametrize("q_len,q_heads", [(1, 8), (4, 16)])
+def test_mosaic_matches_reference(page_size, q_len, q_heads):
+    if decode._mosaic_module() is None:
+        pytest.skip("no Mosaic decode kernel")
+    dtype, batch, kv_heads, d, max_len = jnp.bfloat16, 2, 2, 128, 1024
+    kq, kc = jax.random.split(jax.random.PRNGKey(12))
+    q = _normal(kq, (batch, q_len, q_heads, d), dtype)
+    k_cache, v_cache, table, k, v = make_cache(kc, batch, max_len, kv_heads, d, dtype, page_size)
+    lengths = jnp.array([1000, 131], jnp.int32)
+    out, lse = pf.decode_attention(q, k_cache, v_cache, kv_lengths=lengths, block_table=table,
+                                   return_lse=True, backend="mosaic")
+    check(out, lse, *reference(q, k, v, lengths), dtype)
