@@ -26,6 +26,7 @@ Usage (from the repository root):
     python examples/train_lm.py --preset gpu --steps 400 --seq 8192 --batch 4
     python examples/train_lm.py --data synthetic       # no text file needed
     python examples/train_lm.py --no-check             # skip the reference comparison
+    python examples/train_lm.py --save lm.npz          # keep the weights for generate.py
 
 `tqdm` draws the progress bar when it is installed; otherwise a plain textual bar is printed.
 """
@@ -35,6 +36,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import json
 import math
 import sys
 import time
@@ -269,13 +271,19 @@ def rms_norm(x: jax.Array, scale: jax.Array, eps: float = 1e-6) -> jax.Array:
     return (y * scale.astype(jnp.float32)).astype(x.dtype)
 
 
-def rope(x: jax.Array, theta: float = 10000.0) -> jax.Array:
-    """Rotary position embedding on [batch, seq, heads, head_dim] (rotate-half layout)."""
+def rope(x: jax.Array, theta: float = 10000.0, positions: jax.Array | None = None) -> jax.Array:
+    """Rotary position embedding on [batch, seq, heads, head_dim] (rotate-half layout).
+
+    `positions` [batch, seq] gives each token's position; by default 0 .. seq - 1 in every row
+    (training). Sampling passes the positions of the new tokens in each sequence.
+    """
     seq, half = x.shape[1], x.shape[-1] // 2
+    if positions is None:
+        positions = jnp.arange(seq)[None, :]
     freqs = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
-    angles = jnp.arange(seq, dtype=jnp.float32)[:, None] * freqs[None, :]
-    cos = jnp.cos(angles)[None, :, None, :]
-    sin = jnp.sin(angles)[None, :, None, :]
+    angles = positions.astype(jnp.float32)[..., None] * freqs
+    cos = jnp.cos(angles)[:, :, None, :]
+    sin = jnp.sin(angles)[:, :, None, :]
     x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
     return jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1).astype(x.dtype)
 
@@ -293,28 +301,54 @@ def reference_attention(q, k, v):
     return out.astype(q.dtype)
 
 
-def block(cfg: Config, attn: AttentionFn, x: jax.Array, p: dict) -> jax.Array:
+def attention_inputs(cfg: Config, x: jax.Array, p: dict,
+                     positions: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """One layer's q [batch, seq, n_heads, head_dim] and k, v [batch, seq, n_kv_heads, head_dim],
+    RoPE applied to q and k, from its input x [batch, seq, d_model]."""
     b, s, _ = x.shape
     h = rms_norm(x, p["attn_norm"])
     q = (h @ p["wq"]).reshape(b, s, cfg.n_heads, cfg.head_dim)
     k = (h @ p["wk"]).reshape(b, s, cfg.n_kv_heads, cfg.head_dim)
     v = (h @ p["wv"]).reshape(b, s, cfg.n_kv_heads, cfg.head_dim)
-    # K and V keep n_kv_heads heads: the kernel maps query-head groups onto them itself (GQA),
-    # so they are never repeated in memory.
-    o = attn(rope(q), rope(k), v)
+    return rope(q, positions=positions), rope(k, positions=positions), v
+
+
+def attention_output(cfg: Config, x: jax.Array, o: jax.Array, p: dict) -> jax.Array:
+    """The rest of the layer, given its input x and the attention output o."""
+    b, s, _ = x.shape
     x = x + o.reshape(b, s, cfg.n_heads * cfg.head_dim) @ p["wo"]
     h = rms_norm(x, p["mlp_norm"])
     return x + jax.nn.gelu(h @ p["w_in"]) @ p["w_out"]
 
 
-def forward(cfg: Config, attn: AttentionFn, params: dict, tokens: jax.Array) -> jax.Array:
-    """Float32 logits [batch, seq, 256] for int tokens [batch, seq]."""
+def block(cfg: Config, attn: AttentionFn, x: jax.Array, p: dict) -> jax.Array:
+    # K and V keep n_kv_heads heads: the kernel maps query-head groups onto them itself (GQA),
+    # so they are never repeated in memory.
+    q, k, v = attention_inputs(cfg, x, p)
+    return attention_output(cfg, x, attn(q, k, v), p)
+
+
+def compute_params(cfg: Config, params: dict) -> dict:
     # Mixed precision: the float32 master weights are cast once per step, so gradients flow
     # back to float32 and the optimiser never updates bfloat16 values.
-    p = jax.tree.map(lambda a: a.astype(cfg.compute_dtype), params)
+    return jax.tree.map(lambda a: a.astype(cfg.compute_dtype), params)
+
+
+def embed(p: dict, tokens: jax.Array) -> jax.Array:
     # A one-hot product rather than a gather: the gather's gradient is a scatter-add in which
     # every token of the batch collides on 256 rows, far slower on a GPU than this small matmul.
-    x = jax.nn.one_hot(tokens, VOCAB, dtype=p["embed"].dtype) @ p["embed"]
+    return jax.nn.one_hot(tokens, VOCAB, dtype=p["embed"].dtype) @ p["embed"]
+
+
+def unembed(p: dict, x: jax.Array) -> jax.Array:
+    """Float32 logits [..., 256] from the last layer's output."""
+    return (rms_norm(x, p["final_norm"]) @ p["lm_head"]).astype(jnp.float32)
+
+
+def forward(cfg: Config, attn: AttentionFn, params: dict, tokens: jax.Array) -> jax.Array:
+    """Float32 logits [batch, seq, 256] for int tokens [batch, seq]."""
+    p = compute_params(cfg, params)
+    x = embed(p, tokens)
     layer = functools.partial(block, cfg, attn)
     if cfg.remat:
         # Keep only each layer's input for the backward pass and recompute the rest.
@@ -327,8 +361,7 @@ def forward(cfg: Config, attn: AttentionFn, params: dict, tokens: jax.Array) -> 
         # residuals for the backward pass: a faster step at these depths.
         for i in range(cfg.n_layers):
             x = layer(x, jax.tree.map(lambda a: a[i], p["layers"]))
-    x = rms_norm(x, p["final_norm"])
-    return (x @ p["lm_head"]).astype(jnp.float32)
+    return unembed(p, x)
 
 
 def loss_fn(cfg: Config, attn: AttentionFn, params: dict, tokens: jax.Array) -> jax.Array:
@@ -441,9 +474,9 @@ def train(cfg: Config, attn: AttentionFn, data, steps: int, desc: str, *, log_ev
           evaluate: bool = True, show_progress: bool = True, remat: bool | None = None) -> dict:
     """Run `steps` steps from the seed's initialisation.
 
-    Returns per-step training losses (nats), gradient norms and step times, and `val_bpb`, a
-    list of (steps done, validation bits per token), evaluated every `cfg.eval_every` steps and
-    after the last step (nothing when `evaluate` is false).
+    Returns per-step training losses (nats), gradient norms and step times, `val_bpb`, a list
+    of (steps done, validation bits per token), evaluated every `cfg.eval_every` steps and after
+    the last step (nothing when `evaluate` is false), and the trained `params`.
     """
     # Initialise from cfg itself, not a remat variant, so the params are bit-identical across
     # runs and the compiled initialiser is reused.
@@ -486,7 +519,7 @@ def train(cfg: Config, attn: AttentionFn, data, steps: int, desc: str, *, log_ev
     if bar is not None:
         bar.close()
     return {"losses": losses, "grad_norms": grad_norms, "step_times": step_times,
-            "val_bpb": val_bpb}
+            "val_bpb": val_bpb, "params": params}
 
 
 def tokens_per_second(cfg: Config, step_times: list[float]) -> float:
@@ -525,6 +558,40 @@ def check_against_reference(cfg: Config, data, flash_losses: list[float], show_p
         print(f"  step {i}: flash {f:.6f}  reference {r:.6f}  rel err {e:.2e}")
     print(f"reference check {'PASSED' if passed else 'FAILED'}")
     return {"ref_losses": ref["losses"], "rel_errs": rel_errs, "rtol": rtol, "passed": passed}
+
+
+# --------------------------------------------------------------------------------------------
+# Checkpoint
+# --------------------------------------------------------------------------------------------
+# One .npz of numpy arrays, no pickle: the parameters under their pytree paths ("layers/wq"),
+# and the config as JSON text under "config".
+
+
+def save_checkpoint(path: str | Path, cfg: Config, params: dict) -> Path:
+    """Writes the float32 parameters and the config to `path` (.npz); returns the path."""
+    flat = {"/".join(k.key for k in keys): np.asarray(leaf)
+            for keys, leaf in jax.tree_util.tree_flatten_with_path(params)[0]}
+    path = Path(path)
+    with path.open("wb") as f:  # a file object: np.savez would append .npz to a bare name
+        np.savez(f, config=np.array(json.dumps(dataclasses.asdict(cfg))), **flat)
+    return path
+
+
+def load_checkpoint(path: str | Path) -> tuple[Config, dict]:
+    """(config, params) from a file written by `save_checkpoint`."""
+    with np.load(path, allow_pickle=False) as data:
+        cfg = Config(**json.loads(str(data["config"])))
+        params: dict = {}
+        for name in data.files:
+            if name == "config":
+                continue
+            *parents, leaf = name.split("/")
+            node = params
+            for part in parents:
+                node = node.setdefault(part, {})
+            node[leaf] = jnp.asarray(data[name])
+    cfg.validate()
+    return cfg, params
 
 
 # --------------------------------------------------------------------------------------------
@@ -569,6 +636,9 @@ def parse_args(argv):
                         help="skip the comparison against reference_attention")
     parser.add_argument("--log-every", type=int, help="print a loss line every N steps (0: never)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--save", type=Path, metavar="PATH",
+                        help="write the trained parameters and config to PATH (.npz), for "
+                             "examples/generate.py --checkpoint")
     return parser.parse_args(argv)
 
 
@@ -600,7 +670,8 @@ def main(argv: list[str] | None = None) -> dict:
     Returns a dict with `losses` and `grad_norms` (per step; losses in nats), `val_bpb`
     ((steps done, bits per token) pairs) and `final_val_bpb`, `tokens_per_s`, `check` (None
     with --no-check, otherwise the reference losses, relative errors and `passed`),
-    `check_passed`, `ok` (every loss finite and the check did not fail), `config` and `data`.
+    `check_passed`, `ok` (every loss finite and the check did not fail), `config`, `data` and
+    `checkpoint` (the --save path, or None).
     """
     args = parse_args(argv)
     cfg = build_config(args)
@@ -630,6 +701,11 @@ def main(argv: list[str] | None = None) -> dict:
           f"validation {final_val:.3f} {unit} | {tokens_per_s:,.0f} tokens/s | "
           f"{seconds:.1f} s in all")
 
+    checkpoint = None
+    if args.save is not None:
+        checkpoint = str(save_checkpoint(args.save, cfg, run["params"]))
+        print(f"checkpoint: {checkpoint}")
+
     check = None
     if not args.no_check:
         # Reuse the flash run's own first steps: same seed, same batches, so only the reference
@@ -653,6 +729,7 @@ def main(argv: list[str] | None = None) -> dict:
         "ok": finite and check_passed is not False,
         "config": dataclasses.asdict(cfg),
         "data": args.data,
+        "checkpoint": checkpoint,
     }
 
 

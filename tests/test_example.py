@@ -41,10 +41,10 @@ def _unigram_cross_entropy_bits(train: np.ndarray, val: np.ndarray) -> float:
     return float(-(q[seen] * np.log2(np.maximum(p[seen], 1e-12))).sum())
 
 
-def test_tiny_text_run_learns_and_matches_reference(train_lm):
+def test_tiny_text_run_learns_and_matches_reference(train_lm, tmp_path):
     result = train_lm.main([
         "--preset", "tiny", "--steps", "40", "--eval-every", "20", "--check-steps", "2",
-        "--seed", "0", "--no-progress", "--log-every", "0",
+        "--seed", "0", "--no-progress", "--log-every", "0", "--save", str(tmp_path / "lm"),
     ])
     assert result["data"] == "text"
     losses = result["losses"]
@@ -68,6 +68,13 @@ def test_tiny_text_run_learns_and_matches_reference(train_lm):
     assert result["check"] is not None and len(result["check"]["ref_losses"]) == 2
     assert result["check_passed"] is True, result["check"]
     assert result["ok"] is True
+
+    # --save writes the trained weights (to the exact path given) for examples/generate.py.
+    assert result["checkpoint"] == str(tmp_path / "lm")
+    cfg, params = train_lm.load_checkpoint(tmp_path / "lm")
+    assert cfg == _config(train_lm, "--steps", "40", "--eval-every", "20", "--check-steps", "2")
+    assert params["layers"]["wq"].shape == (cfg.n_layers, cfg.d_model, cfg.d_model)
+    assert params["embed"].dtype == np.float32
 
 
 def test_synthetic_data_runs_as_a_script():
