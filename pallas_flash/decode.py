@@ -242,12 +242,15 @@ def _choose_backend(backend: str, plan: DecodePlan) -> str:
     """The one place a decode backend is chosen. "auto" never raises: Triton serves all."""
     if backend == "triton":
         return "triton"
-    mosaic = _mosaic_module()
     if backend == "auto":
-        if (plan.interpret or not attention._is_sm90() or mosaic is None
-                or mosaic.unsupported_reason(plan) is not None):
+        # Interpret mode stays on Triton, as flash_attention's "auto" does: the Mosaic
+        # interpreter is far slower, and a CPU has no Mosaic speed to gain.
+        if plan.interpret or not attention._is_sm90():
             return "triton"
-        return "mosaic"
+        mosaic = _mosaic_module()
+        served = mosaic is not None and mosaic.unsupported_reason(plan) is None
+        return "mosaic" if served else "triton"
+    mosaic = _mosaic_module()
     if mosaic is None:
         raise ValueError("backend='mosaic' has no decode kernel in this installation; "
                          "backend='auto' or 'triton' can serve the call")
