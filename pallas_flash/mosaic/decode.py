@@ -1,0 +1,364 @@
+"""Split-KV decode kernel for Hopper (sm_90), lowered through Pallas Mosaic GPU.
+
+Contract of `pallas_flash.decode.partial_contract`: per (batch, kv head, split) the split's
+softmax-normalised O (float32 [batch, kv_heads, num_splits, rows, head_dim]) and its natural-log
+lse (float32 [batch, kv_heads, num_splits, rows]); the caller merges the splits.
+
+Grid: (row tile * num_splits + split, kv head, batch). A CTA owns `compute_wgs` 64-row pieces
+of the packed query rows (one wgmma M tile each; the padding rows past plan.rows are read as
+zeros by the TMA and never stored, so the tensor cores' spare rows cost no bandwidth) and one
+copy warpgroup that streams the split's K and V blocks of `block_kv` keys through `stages`
+shared-memory slots. Decoding is bandwidth-bound, so the slots are many and small: enough
+bytes stay in flight to cover the memory latency at one CTA per SM.
+
+Blocks: contiguous caches are cut into block_kv rows at position j * block_kv. Paged caches
+read one page per copy: a block of several pages takes one copy per page into consecutive
+rows of the slot (the slot's "loaded" barrier then expects that many arrivals), and a page
+larger than a block is read block by block. Logical page indices are clamped to the last page
+that holds a key below kv_length, so no block-table entry past it is read.
+
+Math: the online softmax of forward.py in base 2, c = logit_scale * log2(e), S in logit units
+(q.k, or tanh(q.k * scale / softcap) with a softcap); lse = m * logit_scale + ln(l). Keys are
+masked (by an iota compare) only in the blocks at the split's edges, at kv_length and at the
+causal / window bounds; every other block runs unmasked.
+
+Unlike the Triton kernel, a non-finite V entry at a masked-out position of a visited block
+(a stale cache row past kv_length in the sequence's last block) reaches its row (0 * inf).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_flash.mosaic.common import (SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS, exp2_tanh,
+                                       stream_through_slots)
+from pallas_flash.mosaic.config import SMEM_LIMIT, SMEM_RESERVED, WG_ROWS
+from pallas_flash.stats import LOG2E
+
+__all__ = ["KERNEL_NAME", "DecodeTiles", "default_tiles", "partial", "unsupported_reason"]
+
+KERNEL_NAME = "pallas_flash_decode_mosaic"
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeTiles:
+    """Tiles of the decode kernel (docs/tuning.md, "Mosaic decode").
+
+    block_kv: keys per K / V slot, a multiple of 64 dividing plan.chunk; with pages smaller
+      than a block, a whole number of pages.
+    stages: K / V slots in flight.
+    compute_wgs: 64-row pieces of the packed rows per CTA (the rest go to more row tiles).
+    """
+
+    block_kv: int
+    stages: int
+    compute_wgs: int
+
+    def __post_init__(self):
+        if self.block_kv % 64 or not 64 <= self.block_kv <= 256:
+            raise ValueError(f"DecodeTiles.block_kv must be 64, 128 or 256, got {self.block_kv}")
+        if self.stages < 2:
+            raise ValueError(f"DecodeTiles.stages must be >= 2, got {self.stages}")
+        if self.compute_wgs not in (1, 2):
+            raise ValueError(f"DecodeTiles.compute_wgs must be 1 or 2, got {self.compute_wgs}")
+
+    def smem_bytes(self, head_dim: int, itemsize: int = 2) -> int:
+        rows = self.compute_wgs * WG_ROWS
+        kv = 2 * self.stages * self.block_kv * head_dim * itemsize
+        # Q in the input dtype; O and lse staged in float32 for their TMA stores.
+        own = rows * head_dim * itemsize + rows * min(head_dim, _O_COLS) * 4 + rows * 4
+        return kv + own + SMEM_RESERVED
+
+
+# Bytes of K and V an SM keeps in flight: the H200's copy rate times its loaded memory latency,
+# spread over its 132 SMs, is about half of this.
+_SM_IN_FLIGHT = 128 * 1024
+# Columns of O staged at a time for its TMA store.
+_O_COLS = 64
+# Shared memory of each of two CTAs resident on one SM (the hardware keeps 1 KB per CTA).
+_HALF_SM = (SMEM_LIMIT - 1024) // 2
+
+
+def default_tiles(plan) -> DecodeTiles:
+    """The decode tiles for `plan` (docs/tuning.md has the reasons)."""
+    itemsize = jnp.dtype(plan.dtype).itemsize
+    # 64 keys a block, 128 at head_dim 64: 16 KB copies, and every chunk is a whole number of
+    # blocks (a chunk is a multiple of 64 keys).
+    block_kv = 128 if plan.head_dim <= 64 and plan.chunk % 128 == 0 else 64
+    # Rows past 64 take a second compute warpgroup, at head_dim 256 a second row tile (the
+    # shared memory of two Q tiles and two K / V slots does not fit at once).
+    compute_wgs = 2 if plan.rows > WG_ROWS and plan.head_dim <= 128 else 1
+    slot = 2 * block_kv * plan.head_dim * itemsize
+    # Two CTAs a SM where half the bytes in flight fit half its shared memory: one CTA's
+    # softmax then overlaps the other's copies and products. Else one CTA with all of them.
+    pair = DecodeTiles(block_kv, max(2, _SM_IN_FLIGHT // 2 // slot), compute_wgs)
+    if pair.smem_bytes(plan.head_dim, itemsize) <= _HALF_SM:
+        return pair
+    tiles = DecodeTiles(block_kv, max(2, _SM_IN_FLIGHT // slot), compute_wgs)
+    while tiles.stages > 2 and tiles.smem_bytes(plan.head_dim, itemsize) > SMEM_LIMIT:
+        tiles = dataclasses.replace(tiles, stages=tiles.stages - 1)
+    return tiles
+
+
+def unsupported_reason(plan, tiles: DecodeTiles | None = None) -> str | None:
+    """Why this kernel cannot take the call, or None if it can."""
+    dtype = jnp.dtype(plan.dtype)
+    if dtype not in SUPPORTED_DTYPES:
+        return f"mosaic decode: dtype {dtype.name} (only bfloat16 and float16)"
+    if plan.head_dim not in SUPPORTED_HEAD_DIMS:
+        return f"mosaic decode: head_dim {plan.head_dim} (only {SUPPORTED_HEAD_DIMS})"
+    tiles = tiles or default_tiles(plan)
+    if plan.chunk % tiles.block_kv:
+        return f"mosaic decode: chunk {plan.chunk} is not a multiple of block_kv {tiles.block_kv}"
+    if plan.paged and (max(plan.page_size, tiles.block_kv)
+                       % min(plan.page_size, tiles.block_kv)):
+        return (f"mosaic decode: page_size {plan.page_size} and block_kv {tiles.block_kv} do not "
+                "tile each other")
+    if plan.paged and plan.page_size % 8:
+        return f"mosaic decode: page_size {plan.page_size} is not a multiple of 8"
+    smem = tiles.smem_bytes(plan.head_dim, dtype.itemsize)
+    if smem > SMEM_LIMIT:
+        return (f"mosaic decode: tiles {tiles} need {smem} bytes of shared memory at head_dim "
+                f"{plan.head_dim} (limit {SMEM_LIMIT})")
+    return None
+
+
+def _bcast_rows(x, shape):
+    return lax.broadcast_in_dim(x, shape, [0])
+
+
+def _clip(x, lo, hi):
+    return jnp.minimum(jnp.maximum(x, lo), hi)
+
+
+def _kernel(*refs, plan, tiles: DecodeTiles, n_tiles: int):
+    if plan.paged:
+        q_ref, k_ref, v_ref, lens_ref, table_ref, *rest = refs
+    else:
+        q_ref, k_ref, v_ref, lens_ref, *rest = refs
+        table_ref = None
+    (o_ref, lse_ref, q_smem, k_smem, v_smem, o_smem, lse_smem,
+     q_loaded, k_loaded, v_loaded, free, *p_smem) = rest
+    block_kv, stages, wgs = tiles.block_kv, tiles.stages, tiles.compute_wgs
+    head_dim, q_len, group = plan.head_dim, plan.q_len, plan.group
+    dtype = q_ref.dtype
+    logit_scale = plan.scale if plan.softcap is None else plan.softcap
+    c = logit_scale * LOG2E
+
+    cell = lax.axis_index("cell")
+    kv_head = lax.axis_index("head")
+    batch = lax.axis_index("batch")
+    wg = lax.axis_index("wg")
+    n_splits = jnp.int32(plan.num_splits)
+    split = lax.rem(cell, n_splits)
+    tile = lax.div(cell, n_splits)
+
+    # The split's keys: [key_lo, key_hi), cut to kv_length and to the first key any query of
+    # the window sees (query 0 sits at kv_len - q_len); blocks [lo, hi) cover them.
+    kv_len = lens_ref[batch]
+    key_lo = split * plan.chunk
+    key_hi = jnp.minimum(key_lo + plan.chunk, kv_len)
+    first = key_lo
+    if plan.window_left is not None:
+        first = jnp.maximum(first, kv_len - q_len - plan.window_left)
+    lo = lax.div(jnp.maximum(first, 0), jnp.int32(block_kv))
+    hi = jnp.maximum(lax.div(key_hi + (block_kv - 1), jnp.int32(block_kv)), lo)
+    n_steps = hi - lo
+
+    @pl.when(wg < wgs)
+    def _compute():
+        row0 = (tile * wgs + wg) * WG_ROWS
+        my_q = q_smem.at[wg]
+        plgpu.copy_gmem_to_smem(
+            q_ref.at[batch, kv_head, pl.ds(row0, WG_ROWS)], my_q, q_loaded.at[wg])
+
+        # Blocks [full_lo, full_hi) hold only keys every query row sees: inside the split,
+        # below kv_len, at or before query 0's position, at or after the last query's window.
+        need = key_lo
+        if plan.window_left is not None:
+            need = jnp.maximum(need, kv_len - 1 - plan.window_left)
+        last_full = jnp.minimum(key_hi, kv_len - q_len + 1)
+        full_lo = _clip(lax.div(jnp.maximum(need, 0) + (block_kv - 1), jnp.int32(block_kv)),
+                        lo, hi)
+        full_hi = _clip(lax.div(jnp.maximum(last_full, 0), jnp.int32(block_kv)), full_lo, hi)
+
+        def visible_logits(j, s, masked: bool):
+            if plan.softcap is not None:
+                s = exp2_tanh(s * (plan.scale / plan.softcap))
+            if not masked:
+                return s
+            shape = (WG_ROWS, block_kv)
+            rows = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA)
+            cols = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
+            key = cols + j * block_kv
+            q_pos = lax.div(rows + row0, jnp.int32(group)) + (kv_len - q_len)
+            ok = (key >= key_lo) & (key < key_hi) & (key <= q_pos)
+            if plan.window_left is not None:
+                ok = ok & (key >= q_pos - plan.window_left)
+            return jnp.where(ok, s, -jnp.inf)
+
+        def step(i, carry, masked: bool):
+            acc, m, l = carry
+            j = lo + i
+            slot = lax.rem(i, jnp.int32(stages))
+            plgpu.barrier_wait(k_loaded.at[slot])
+
+            def logits(s_ref):
+                plgpu.wgmma(s_ref, my_q, k_smem.at[slot].T)
+                return s_ref[...]
+
+            s = pl.run_scoped(logits, plgpu.ACC((WG_ROWS, block_kv), jnp.float32))
+            u = visible_logits(j, s, masked)
+            m_new = jnp.maximum(m, jnp.max(u, axis=1))
+            m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+            alpha = jnp.exp2((m - m_safe) * c)
+            p = jnp.exp2(u * c - _bcast_rows(m_safe * c, u.shape))
+            l = l * alpha + jnp.sum(p, axis=1)
+            acc = acc * _bcast_rows(alpha, acc.shape)
+            p_in = p.astype(dtype)
+            plgpu.barrier_wait(v_loaded.at[slot])
+
+            if plan.interpret:
+                # The interpreter takes no wgmma operand in registers: P goes through smem.
+                my_p = p_smem[0].at[wg]
+                my_p[...] = p_in
+                plgpu.commit_smem()
+
+                def fresh(acc_ref):
+                    plgpu.wgmma(acc_ref, my_p, v_smem.at[slot])
+                    return acc_ref[...]
+
+                acc = acc + pl.run_scoped(fresh, plgpu.ACC((WG_ROWS, head_dim), jnp.float32))
+            else:
+                def weighted_values(acc_ref):
+                    plgpu.wgmma(acc_ref, p_in, v_smem.at[slot])
+
+                acc = pl.run_state(weighted_values)(plgpu.ACC.init(acc))
+            plgpu.barrier_arrive(free.at[slot])
+            return acc, m_new, l
+
+        acc = plgpu.layout_cast(jnp.zeros((WG_ROWS, head_dim), jnp.float32), plgpu.Layout.WGMMA)
+        m = plgpu.layout_cast(jnp.full((WG_ROWS,), -jnp.inf, jnp.float32),
+                              plgpu.Layout.WGMMA.reduce(1))
+        l = plgpu.layout_cast(jnp.zeros((WG_ROWS,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+        plgpu.barrier_wait(q_loaded.at[wg])
+        masked = functools.partial(step, masked=True)
+        carry = lax.fori_loop(jnp.int32(0), full_lo - lo, masked, (acc, m, l))
+        carry = lax.fori_loop(full_lo - lo, full_hi - lo, functools.partial(step, masked=False),
+                              carry)
+        acc, m, l = lax.fori_loop(full_hi - lo, n_steps, masked, carry)
+
+        # A row that saw no key (l = 0) leaves with O = 0 and lse = -inf.
+        seen = l != 0.0
+        out = jnp.where(_bcast_rows(seen, acc.shape),
+                        acc / _bcast_rows(jnp.where(seen, l, 1.0), acc.shape), 0.0)
+        lse_smem.at[wg][...] = jnp.where(m == -jnp.inf, 0.0, m) * logit_scale + jnp.log(l)
+        # Rows past plan.rows fall outside the outputs: the TMA drops them. O leaves in column
+        # pieces through one float32 staging buffer (head_dim 256 fits no larger).
+        width = min(head_dim, _O_COLS)
+        for piece in range(head_dim // width):
+            if piece:
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            cols = slice(piece * width, (piece + 1) * width)
+            o_smem.at[wg][...] = out if width == head_dim else out[:, cols]
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(
+                o_smem.at[wg], o_ref.at[batch, kv_head, split, pl.ds(row0, WG_ROWS),
+                                        pl.ds(piece * width, width)])
+        plgpu.copy_smem_to_gmem(lse_smem.at[wg],
+                                lse_ref.at[batch, kv_head, split, pl.ds(row0, WG_ROWS)])
+        plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == wgs)
+    def _copy():
+        def issue(i, slot):
+            j = lo + i
+            if not plan.paged:
+                rows = (batch, pl.ds(j * block_kv, block_kv), kv_head)
+                plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot], k_loaded.at[slot])
+                plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot], v_loaded.at[slot])
+                return
+            page_size = plan.page_size
+            # The last logical page that holds a key below kv_len (lo < hi implies kv_len > 0).
+            last_page = lax.div(kv_len - 1, jnp.int32(page_size))
+            if page_size >= block_kv:
+                page = table_ref[batch, lax.div(j * block_kv, jnp.int32(page_size))]
+                rows = (page, pl.ds(lax.rem(j * block_kv, jnp.int32(page_size)), block_kv),
+                        kv_head)
+                plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot], k_loaded.at[slot])
+                plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot], v_loaded.at[slot])
+                return
+            per_block = block_kv // page_size
+            for piece in range(per_block):
+                page = table_ref[batch, jnp.minimum(j * per_block + piece, last_page)]
+                rows = (page, pl.ds(0, page_size), kv_head)
+                dst = pl.ds(piece * page_size, page_size)
+                plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot, dst], k_loaded.at[slot])
+                plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot, dst], v_loaded.at[slot])
+
+        stream_through_slots(issue, free, stages, n_steps)
+
+
+def partial(plan, q_packed, k_cache, v_cache, kv_lengths, block_table, *,
+            tiles: DecodeTiles | None = None):
+    """(o_part, lse_part) of `pallas_flash.decode.partial_contract`.
+
+    Raises NotImplementedError for anything this kernel does not serve (`unsupported_reason`).
+    """
+    tiles = tiles or default_tiles(plan)
+    reason = unsupported_reason(plan, tiles)
+    if reason is not None:
+        raise NotImplementedError(reason)
+    wgs = tiles.compute_wgs
+    n_tiles = pl.cdiv(plan.rows, wgs * WG_ROWS)
+    batch, kv_heads, rows, head_dim = q_packed.shape
+    splits = plan.num_splits
+    dtype = q_packed.dtype
+    # The lse rows are the minor axis of a TMA store, whose strides must be 16-byte multiples:
+    # rows are padded to a multiple of 4 there and sliced off after.
+    lse_rows = -rows % 4 + rows
+    # A block of several pages is filled by one copy per page, each an arrival.
+    pieces = (tiles.block_kv // plan.page_size
+              if plan.paged and plan.page_size < tiles.block_kv else 1)
+    scratch = [
+        plgpu.SMEM((wgs, WG_ROWS, head_dim), dtype),
+        plgpu.SMEM((tiles.stages, tiles.block_kv, head_dim), dtype),
+        plgpu.SMEM((tiles.stages, tiles.block_kv, head_dim), dtype),
+        plgpu.SMEM((wgs, WG_ROWS, min(head_dim, _O_COLS)), jnp.float32),
+        plgpu.SMEM((wgs, WG_ROWS), jnp.float32),
+        plgpu.Barrier(num_barriers=wgs),
+        plgpu.Barrier(num_arrivals=pieces, num_barriers=tiles.stages),
+        plgpu.Barrier(num_arrivals=pieces, num_barriers=tiles.stages),
+        # A slot is free once every compute warpgroup is done with its K and V.
+        plgpu.Barrier(num_arrivals=wgs, num_barriers=tiles.stages),
+    ]
+    if plan.interpret:
+        scratch.append(plgpu.SMEM((wgs, WG_ROWS, tiles.block_kv), dtype))
+    out_type = (jax.ShapeDtypeStruct((batch, kv_heads, splits, rows, head_dim), jnp.float32),
+                jax.ShapeDtypeStruct((batch, kv_heads, splits, lse_rows), jnp.float32))
+    call = plgpu.kernel(
+        functools.partial(_kernel, plan=plan, tiles=tiles, n_tiles=n_tiles),
+        out_type=out_type,
+        scratch_types=scratch,
+        grid=(n_tiles * splits, kv_heads, batch),
+        grid_names=("cell", "head", "batch"),
+        num_threads=wgs + 1,   # the copy warpgroup last (index compute_wgs)
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        interpret=plgpu.InterpretGPUParams() if plan.interpret else None,
+        kernel_name=KERNEL_NAME,
+    )
+    args = [q_packed, k_cache, v_cache, kv_lengths.astype(jnp.int32)]
+    if plan.paged:
+        args.append(block_table.astype(jnp.int32))
+    o_part, lse_part = call(*args)
+    if lse_rows != rows:
+        lse_part = lse_part[..., :rows]
+    return o_part, lse_part

@@ -1,0 +1,174 @@
+"""The Mosaic GPU decode kernel (pallas_flash/mosaic/decode.py) through decode_attention.
+
+Compiled on an sm_90 GPU: contiguous and paged caches (random block tables whose entries past
+each sequence point at a NaN page, which must never be read), lengths that are not page or
+block multiples, empty sequences and tokens at negative positions, q_len 1 to 16, GQA 1 to 8,
+bf16 / f16, head_dim 64 / 128 / 256, softcap, window, sinks. On any machine: the Python half of
+the sm_90 compile, one small case in interpret mode, the tiles and what the kernel refuses.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import pallas_flash as pf
+from backends import IS_HOPPER, ON_GPU
+from helpers import kernel_names
+from pallas_flash import decode
+from pallas_flash.mosaic import decode as mosaic
+from pallas_flash.mosaic.config import SMEM_LIMIT
+from test_decode import _normal, check, make_cache, reference
+
+compiled_only = pytest.mark.skipif(not IS_HOPPER, reason="the Mosaic GPU kernels run compiled "
+                                   "on sm_90 (on the CPU: the lowering and interpret tests)")
+
+
+def _poison_table(table, lengths, page_size, num_pages):
+    """Entries past each sequence's last page pointed at a physical page no sequence uses
+    (make_cache fills those with NaN): the kernel may not read them."""
+    unused = sorted(set(range(num_pages)) - set(np.asarray(table).ravel().tolist()))
+    table = np.array(table)
+    for b, n in enumerate(lengths):
+        table[b, -(-n // page_size):] = unused[0]
+    return jnp.asarray(table)
+
+
+def _run(dtype, batch, q_len, q_heads, kv_heads, head_dim, max_len, page_size, lengths,
+         options, interpret=None):
+    key = jax.random.PRNGKey(sum(lengths) + 7 * q_len + head_dim)
+    kq, kc, ks = jax.random.split(key, 3)
+    q = _normal(kq, (batch, q_len, q_heads, head_dim), dtype)
+    k_cache, v_cache, table, k, v = make_cache(kc, batch, max_len, kv_heads, head_dim, dtype,
+                                               page_size)
+    if table is not None:
+        table = _poison_table(table, lengths, page_size, k_cache.shape[0])
+    kv_lengths = jnp.array(lengths, jnp.int32)
+    options = dict(options)
+    if options.pop("sinks", False):
+        options["sinks"] = 2.0 * jax.random.normal(ks, (q_heads,), jnp.float32)
+    out, lse = pf.decode_attention(q, k_cache, v_cache, kv_lengths=kv_lengths,
+                                   block_table=table, return_lse=True, backend="mosaic",
+                                   interpret=interpret, **options)
+    options.pop("num_splits", None)
+    check(out, lse, *reference(q, k, v, kv_lengths, **options), dtype)
+
+
+CASES = [
+    # (dtype, batch, q_len, q_heads, kv_heads, head_dim, max_len, page_size, lengths, options)
+    pytest.param(jnp.bfloat16, 2, 1, 8, 2, 128, 1003, None, [1003, 131], dict(),
+                 id="bf16-contiguous-gqa4-q1-odd-max-len"),
+    pytest.param(jnp.float16, 3, 4, 16, 2, 128, 2048, 16, [2048, 777, 5], dict(sinks=True),
+                 id="f16-paged16-gqa8-q4-sinks"),
+    pytest.param(jnp.bfloat16, 2, 4, 8, 2, 64, 1536, 256, [1500, 300], dict(softcap=20.0),
+                 id="bf16-paged256-gqa4-q4-d64-softcap"),
+    pytest.param(jnp.bfloat16, 2, 1, 32, 8, 128, 4096, 64, [4096, 2500],
+                 dict(window=(300, 0), num_splits=5), id="bf16-paged64-gqa4-window"),
+    pytest.param(jnp.bfloat16, 1, 16, 16, 2, 128, 1024, None, [1000],
+                 dict(window=(100, None), softcap=30.0), id="bf16-q16-gqa8-two-warpgroups"),
+    pytest.param(jnp.float16, 2, 4, 8, 1, 256, 768, 32, [700, 3], dict(),
+                 id="f16-paged32-d256-negative-positions"),
+    pytest.param(jnp.bfloat16, 1, 16, 8, 1, 256, 512, None, [512], dict(),
+                 id="bf16-d256-two-row-tiles"),
+    pytest.param(jnp.bfloat16, 2, 1, 4, 4, 64, 8192, 128, [8192, 0], dict(),
+                 id="bf16-paged128-mha-empty-sequence"),
+    pytest.param(jnp.float16, 2, 2, 8, 1, 128, 640, None, [640, 2], dict(num_splits=3),
+                 id="f16-contiguous-mqa-q2-length-q-len"),
+]
+
+
+@compiled_only
+@pytest.mark.parametrize("dtype,batch,q_len,q_heads,kv_heads,head_dim,max_len,page_size,"
+                         "lengths,options", CASES)
+def test_matches_reference(dtype, batch, q_len, q_heads, kv_heads, head_dim, max_len, page_size,
+                           lengths, options):
+    _run(dtype, batch, q_len, q_heads, kv_heads, head_dim, max_len, page_size, lengths, options)
+
+
+@pytest.mark.skipif(ON_GPU, reason="the interpret-mode check is for machines without a GPU")
+def test_interpret_mode_matches_reference():
+    # Pages of 16 keys, four to a 64-key block; a window; a token at a negative position.
+    _run(jnp.bfloat16, 2, 2, 4, 1, 64, 192, 16, [150, 1], dict(window=(40, 0), num_splits=2),
+         interpret=True)
+
+
+def _plan(**changes):
+    base = dict(batch=2, q_len=1, q_heads=8, kv_heads=2, head_dim=128, group=4, rows=4,
+                max_len=1024, pages_per_seq=None, page_size=None, num_splits=4, chunk=256,
+                scale=128 ** -0.5, softcap=None, window_left=None, dtype=jnp.dtype(jnp.bfloat16),
+                interpret=False)
+    return decode.DecodePlan(**(base | changes))
+
+
+def _lowers(plan):
+    b, h, d = plan.batch, plan.kv_heads, plan.head_dim
+    q = jnp.zeros((b, h, plan.rows, d), plan.dtype)
+    if plan.paged:
+        cache = jnp.zeros((b * plan.pages_per_seq, plan.page_size, h, d), plan.dtype)
+        table = jnp.zeros((b, plan.pages_per_seq), jnp.int32)
+    else:
+        cache, table = jnp.zeros((b, plan.max_len, h, d), plan.dtype), None
+    fn = jax.jit(lambda q, k, v, n, t: mosaic.partial(plan, q, k, v, n, t))
+    lengths = jnp.zeros((b,), jnp.int32)
+    text = fn.trace(q, cache, cache, lengths, table).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
+
+
+@pytest.mark.skipif(ON_GPU and not IS_HOPPER, reason="Mosaic GPU kernel needs sm_90")
+@pytest.mark.parametrize("changes", [
+    dict(),
+    dict(page_size=16, pages_per_seq=64, softcap=30.0, window_left=100),
+    dict(head_dim=64, page_size=256, pages_per_seq=4, q_len=16, rows=64),
+    dict(q_len=16, rows=128, group=8, q_heads=16, dtype=jnp.dtype(jnp.float16)),
+    dict(head_dim=256, q_len=16, rows=128, group=8, q_heads=16),
+], ids=["contiguous", "paged16-softcap-window", "paged256-d64", "two-warpgroups-f16",
+        "d256-two-row-tiles"])
+def test_lowers_for_sm90(changes):
+    _lowers(_plan(**changes))
+
+
+def test_kernel_is_named():
+    plan = _plan()
+    q = jnp.zeros((2, 2, 4, 128), jnp.bfloat16)
+    cache = jnp.zeros((2, 1024, 2, 128), jnp.bfloat16)
+    fn = lambda q, k: mosaic.partial(plan, q, k, k, jnp.zeros((2,), jnp.int32), None)  # noqa: E731
+    assert kernel_names(fn, q, cache) == {mosaic.KERNEL_NAME}
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("rows", [1, 4, 64, 65, 128, 256])
+@pytest.mark.parametrize("page_size", [None, 16, 256])
+def test_default_tiles_fit(head_dim, rows, page_size):
+    plan = _plan(head_dim=head_dim, rows=rows, page_size=page_size,
+                 pages_per_seq=None if page_size is None else 1024 // page_size,
+                 chunk=256 if page_size is None else max(256, page_size))
+    tiles = mosaic.default_tiles(plan)
+    assert tiles.smem_bytes(head_dim) <= SMEM_LIMIT
+    assert plan.chunk % tiles.block_kv == 0
+    assert mosaic.unsupported_reason(plan) is None
+
+
+@pytest.mark.parametrize("changes,match", [
+    (dict(dtype=jnp.dtype(jnp.float32)), "dtype float32"),
+    (dict(head_dim=96), "head_dim 96"),
+])
+def test_unsupported_reason(changes, match):
+    assert match in mosaic.unsupported_reason(_plan(**changes))
+
+
+def test_tiles_over_shared_memory_are_refused():
+    plan = _plan(head_dim=256)
+    tiles = mosaic.DecodeTiles(block_kv=64, stages=8, compute_wgs=2)
+    assert "shared memory" in mosaic.unsupported_reason(plan, tiles)
+    with pytest.raises(NotImplementedError, match="shared memory"):
+        mosaic.partial(plan, None, None, None, None, None, tiles=tiles)
+
+
+@pytest.mark.parametrize("fields,match", [
+    (dict(block_kv=96), "block_kv"), (dict(stages=1), "stages"), (dict(compute_wgs=3), "wgs"),
+])
+def test_tiles_validate(fields, match):
+    with pytest.raises(ValueError, match=match):
+        dataclasses.replace(mosaic.DecodeTiles(64, 2, 1), **fields)
