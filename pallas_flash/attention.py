@@ -157,13 +157,15 @@ def flash_attention(
     Args:
       q: [batch, seq_q, q_heads, head_dim] queries (bfloat16, float16, float32; float64 in
         interpret mode only).
-      k, v: [batch, seq_kv, kv_heads, head_dim], same dtype; q_heads must be a multiple of
+      k: [batch, seq_kv, kv_heads, head_dim], same dtype; q_heads must be a multiple of
         kv_heads (GQA; kv_heads = 1 is MQA). K/V are shared in place, never repeated.
+      v: [batch, seq_kv, kv_heads, head_dim_v], same dtype: head_dim_v may differ from q and
+        k's head_dim (DeepSeek's MLA: 192 and 128), on the Triton kernels.
       causal: query i sees only keys j <= i (top-left alignment, as in
         `jax.nn.dot_product_attention`), or j <= i + seq_kv - seq_q with
         ``causal_alignment="bottom_right"`` (the last query sees every key: decoding, chunked
         prefill).
-      scale: logit multiplier; default 1/sqrt(head_dim).
+      scale: logit multiplier; default 1/sqrt(head_dim) (Q/K's).
       return_lse: also return lse [batch, q_heads, seq_q], float32, the natural-log logsumexp of
         each row's scaled (and soft-capped) logits. Both outputs are differentiable.
       causal_alignment: "top_left" (default) or "bottom_right"; also anchors `window`.
@@ -181,7 +183,8 @@ def flash_attention(
       config: a `FlashConfig` of Triton tiles; default chosen by head_dim and dtype. Given
         explicitly, "auto" runs the Triton kernels with it.
       backend: "auto", "triton" or "mosaic". "mosaic" runs the Pallas Mosaic GPU kernels for
-        Hopper (sm_90): bfloat16 / float16, head_dim 64, 128 or 256, every mask and option. It
+        Hopper (sm_90): bfloat16 / float16, head_dim 64, 128 or 256 (V's the same), every mask
+        and option. It
         raises a ValueError for a call it cannot serve (or on another GPU). "triton" runs the
         Triton-lowered kernels: any GPU, dtype and head_dim. "auto" (default) runs the Mosaic
         kernels on an sm_90 GPU when they serve the call and `config` is not given, behind a
@@ -192,13 +195,13 @@ def flash_attention(
       interpret: run in Pallas interpret mode; default: True exactly when JAX has no GPU.
 
     Returns:
-      out [batch, seq_q, q_heads, head_dim] in q's dtype, or (out, lse) with return_lse. A row
+      out [batch, seq_q, q_heads, head_dim_v] in q's dtype, or (out, lse) with return_lse. A row
       that sees no key gives out = 0 and lse = -inf, and zero gradients.
     """
     opts = validation.validate(
         q, k, v, causal=causal, scale=scale, causal_alignment=causal_alignment, window=window,
         softcap=softcap, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
-        q_lengths=q_lengths, kv_lengths=kv_lengths,
+        q_lengths=q_lengths, kv_lengths=kv_lengths, v_head_dim_may_differ=True,
     )
     if not isinstance(return_lse, (bool,)):
         raise ValueError(f"return_lse must be a bool, got {return_lse!r}")
@@ -206,7 +209,7 @@ def flash_attention(
         sinks = check_sinks(sinks, q.shape[2])
     explicit_config = config is not None  # before kernel_options fills in the default
     precision, config, interpret = kernel_options(q, precision=precision, config=config,
-                                                  interpret=interpret)
+                                                  interpret=interpret, head_dim_v=v.shape[-1])
     if backend not in _BACKENDS:
         raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
     batch, seq_q = q.shape[:2]
@@ -239,10 +242,11 @@ def _choose_backends(backend: str, spec: AttentionSpec, q, k, v, *,
     forced backend cannot serve the call. "auto" never raises: Triton serves everything."""
     if backend == "triton":
         return "triton", "triton"
+    triton_only = _triton_only_reason(q, v)
     if backend == "auto":
         # Interpret mode stays on Triton: the Mosaic interpreter is far slower, and a CPU has no
         # Mosaic speed to gain. A FlashConfig names Triton tiles, so it asks for Triton.
-        if (spec.interpret or explicit_config or not _is_sm90()
+        if (spec.interpret or explicit_config or not _is_sm90() or triton_only is not None
                 or mosaic_forward.unsupported_reason(spec, q, k, v) is not None):
             return "triton", "triton"
         served = mosaic_backward.unsupported_reason(spec, q, k, v) is None
@@ -250,12 +254,21 @@ def _choose_backends(backend: str, spec: AttentionSpec, q, k, v, *,
     if not spec.interpret and not _is_sm90():
         raise ValueError(f"backend='mosaic' needs an sm_90 GPU (H100, H200) or "
                          f"interpret=True; this device has compute capability {_capability()}")
-    reason = mosaic_forward.unsupported_reason(spec, q, k, v)
+    reason = triton_only or mosaic_forward.unsupported_reason(spec, q, k, v)
     if reason is not None:
         raise ValueError(f"backend='mosaic' cannot serve this call ({reason}); "
                          f"backend='auto' or 'triton' can")
     backward = "mosaic" if mosaic_backward.unsupported_reason(spec, q, k, v) is None else "triton"
     return "mosaic", backward
+
+
+def _triton_only_reason(q, v) -> str | None:
+    """What only the Triton kernels serve, checked before the Mosaic kernels' own reasons,
+    which assume one head_dim: a V head_dim other than Q/K's."""
+    if v.shape[-1] != q.shape[-1]:
+        return (f"v head_dim {v.shape[-1]} differs from q and k's {q.shape[-1]}; the Mosaic "
+                f"kernels take one head_dim")
+    return None
 
 
 def _capability() -> str:
@@ -289,12 +302,15 @@ def _warn_interpret_once() -> None:
         "warning.", InterpretModeWarning, stacklevel=4)
 
 
-def kernel_options(q, *, precision, config, interpret):
+def kernel_options(q, *, precision, config, interpret, head_dim_v=None):
     """Validates and defaults the options that steer the kernels (how, not what).
 
     Shared by every entry point that launches the kernels (flash_attention, sharding.py, ring.py).
+    head_dim_v: V's head_dim when it differs from q's (None: the same).
     Returns (precision as a lax.Precision, a FlashConfig, interpret as a bool).
     """
+    head_dim = q.shape[-1]
+    head_dim_v = head_dim if head_dim_v is None else head_dim_v
     try:
         precision = _PRECISIONS[precision.lower() if isinstance(precision, str) else precision]
     except (KeyError, TypeError):
@@ -303,7 +319,7 @@ def kernel_options(q, *, precision, config, interpret):
             f"got {precision!r}"
         ) from None
     if config is None:
-        config = default_config(q.shape[-1], q.dtype)
+        config = default_config(head_dim, q.dtype, head_dim_v=head_dim_v)
     elif not isinstance(config, FlashConfig):
         raise ValueError(f"config must be a pallas_flash.FlashConfig, got {type(config).__name__}")
     if interpret is None:
@@ -317,7 +333,8 @@ def kernel_options(q, *, precision, config, interpret):
             "q, k, v of dtype float64 run in interpret mode only (interpret=True); the GPU "
             "kernels take bfloat16, float16 and float32"
         )
-    check_shared_memory(config, q.shape[-1], q.dtype, shared_memory_limit(interpret))
+    check_shared_memory(config, head_dim, q.dtype, shared_memory_limit(interpret),
+                        head_dim_v=head_dim_v)
     return precision, config, interpret
 
 

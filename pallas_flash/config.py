@@ -82,10 +82,16 @@ class FlashConfig:
                 )
 
 
-def default_config(head_dim: int, dtype) -> FlashConfig:
+def default_config(head_dim: int, dtype, *, head_dim_v: int | None = None) -> FlashConfig:
     """The tiles used when the caller gives none, by head_dim and dtype: the fastest of
-    benchmarks/tune.py's sweeps, each kernel swept with the others fixed (docs/tuning.md)."""
+    benchmarks/tune.py's sweeps, each kernel swept with the others fixed (docs/tuning.md).
+
+    head_dim_v: V's head_dim where it differs from Q/K's (MLA). The wider of the two picks the
+    row: every kernel holds tiles of both, and the wider bounds registers and shared memory.
+    """
     wide = jnp.dtype(dtype).itemsize >= 4
+    if head_dim_v is not None:
+        head_dim = max(head_dim, head_dim_v)
     if head_dim <= 64:
         # The forward sweep's top tile (64x128 tied); the backward follows head_dim 128.
         fwd = KernelConfig(block_q=64, block_kv=64, num_warps=4, num_stages=3)
@@ -130,43 +136,54 @@ def shared_memory_limit(interpret: bool) -> int:
                               _SHARED_MEMORY[_HOPPER])
 
 
-def shared_memory_bytes(config: FlashConfig, head_dim: int, dtype) -> dict[str, int]:
+def shared_memory_bytes(config: FlashConfig, head_dim: int, dtype, *,
+                        head_dim_v: int | None = None) -> dict[str, int]:
     """Estimated shared memory of each kernel's program, in bytes.
 
     The model: each pipelined tile the inner loop loads is buffered `num_stages` times; the
     tiles a program keeps for its whole loop that feed a matmul's B side live in shared memory
     once; so does each block matrix Triton must transpose or re-layout through shared memory
-    between two matmuls. With d the padded head_dim and b the itemsize:
+    between two matmuls. With d the padded head_dim of Q and K, e that of V and dO (d unless
+    head_dim_v differs) and b the itemsize:
       forward: stages * (K + V tiles) + the Q tile                          (bkv, bkv, bq rows)
       dK/dV:   stages * (Q + dO tiles) + K + V + the P^T and dS^T blocks    (bq x bkv each)
       dQ:      stages * (K + V tiles) + Q + dO + the dS block
     It is calibrated against the compiler's own figures (docs/tuning.md).
     """
-    d = max(16, 1 << (head_dim - 1).bit_length())
+    d = _padded(head_dim)
+    de = d + (d if head_dim_v is None else _padded(head_dim_v))    # a row of each pair
     b = jnp.dtype(dtype).itemsize
     f, kv, dq = config.fwd, config.bwd_dkdv, config.bwd_dq
     return {
-        "fwd": b * (f.num_stages * 2 * f.block_kv * d + f.block_q * d),
-        "bwd_dkdv": b * (kv.num_stages * 2 * kv.block_q * d + 2 * kv.block_kv * d
+        "fwd": b * (f.num_stages * f.block_kv * de + f.block_q * d),
+        "bwd_dkdv": b * (kv.num_stages * kv.block_q * de + kv.block_kv * de
                          + 2 * kv.block_q * kv.block_kv),
-        "bwd_dq": b * (dq.num_stages * 2 * dq.block_kv * d + 2 * dq.block_q * d
+        "bwd_dq": b * (dq.num_stages * dq.block_kv * de + dq.block_q * de
                        + dq.block_q * dq.block_kv),
     }
 
 
-def check_shared_memory(config: FlashConfig, head_dim: int, dtype, limit: int) -> None:
+def _padded(head_dim: int) -> int:
+    return max(16, 1 << (head_dim - 1).bit_length())
+
+
+def check_shared_memory(config: FlashConfig, head_dim: int, dtype, limit: int, *,
+                        head_dim_v: int | None = None) -> None:
     """ValueError naming the first kernel whose tile would not fit in `limit` bytes.
 
     float64 runs in interpret mode only, where there is no shared memory: not checked.
     """
     if jnp.dtype(dtype) == jnp.float64:
         return
-    for kernel, need in shared_memory_bytes(config, head_dim, dtype).items():
+    needs = shared_memory_bytes(config, head_dim, dtype, head_dim_v=head_dim_v)
+    dims = (f"head_dim {head_dim}" if head_dim_v in (None, head_dim)
+            else f"head_dim {head_dim} (V's {head_dim_v})")
+    for kernel, need in needs.items():
         if need > limit:
             cfg = getattr(config, kernel)
             raise ValueError(
                 f"config.{kernel} ({cfg.block_q}x{cfg.block_kv}, {cfg.num_stages} stages) needs "
-                f"about {need} bytes of shared memory at head_dim {head_dim} and "
+                f"about {need} bytes of shared memory at {dims} and "
                 f"{jnp.dtype(dtype).name}, over the GPU's {limit}: use smaller blocks or fewer "
                 f"stages"
             )

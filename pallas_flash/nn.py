@@ -143,7 +143,9 @@ def dot_product_attention(
 
     Args:
       query: [B, T, N, H] or [T, N, H] (no batch).
-      key, value: [B, S, K, H] or [S, K, H]; same dtype as query.
+      key, value: [B, S, K, H] or [S, K, H]; same dtype as query. (Extension, kernel path
+        only) value may have a head dim of its own, [B, S, K, H_v] (DeepSeek's MLA: H = 192,
+        H_v = 128); the output then has H_v, and a call only jax.nn could serve raises.
       bias: optional additive logits bias broadcastable to [B, N, T, S]. **Served by XLA.**
       mask: optional boolean mask broadcastable to [B, N, T, S] (rank 4 or less, as in jax.nn),
         True = attend. Served by the kernels when it has a structure they implement, by XLA
@@ -173,8 +175,8 @@ def dot_product_attention(
       config: (extension, kernel path only) a `FlashConfig` of kernel tiles.
 
     Returns:
-      The output, shaped like `query` and in its dtype; with `return_residual`, the pair
-      (output, residual).
+      The output, shaped like `query` (with value's head dim) and in its dtype; with
+      `return_residual`, the pair (output, residual).
 
     Masks. A mask is served by the kernels when, together with `is_causal`, the window and the
     lengths, it lets query t see key s exactly when ``[s <= t] and q_id[t] == kv_id[s]`` (the
@@ -212,7 +214,7 @@ def dot_product_attention(
     * a `bias` (a dense array);
     * a dtype other than bfloat16, float16 or float32 (float64 too runs on the kernels when
       they run in interpret mode, i.e. without a GPU);
-    * a head dim H above 256;
+    * a head dim H (or value's H_v) above 256;
     * a `scale` that is traced, zero or not finite (the kernels need a static non-zero float);
     * a `local_window_size` with a negative side (e.g. (w, -1): strictly earlier keys).
 
@@ -256,6 +258,12 @@ def dot_product_attention(
                 f"implementation={implementation!r} (jax.nn.dot_product_attention) has no soft "
                 f"cap"
             )
+        if _value_head_dim_differs(query, value):
+            raise ValueError(
+                f"a value head dim other than the query's is served by the Pallas kernels "
+                f"only; implementation={implementation!r} (jax.nn.dot_product_attention) needs "
+                f"one head dim, got query {jnp.shape(query)} and value {jnp.shape(value)}"
+            )
         return jax.nn.dot_product_attention(
             query, key, value, bias, mask, scale=scale, is_causal=is_causal,
             query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
@@ -264,14 +272,14 @@ def dot_product_attention(
         )
 
     query, key, value = (jnp.asarray(x) for x in (query, key, value))
-    output_shape = query.shape
+    output_shape = (*query.shape[:-1], value.shape[-1])
     q4, k4, v4 = (_ensure_4d(name, x) for name, x in
                   (("query", query), ("key", key), ("value", value)))
     batch, seq_q, q_heads, head_dim = q4.shape
     _, seq_kv, kv_heads, _ = k4.shape
-    if v4.shape != k4.shape:
+    if v4.shape[:3] != k4.shape[:3]:
         raise ValueError(f"value must have the shape of key, got key {key.shape} and value "
-                         f"{value.shape}")
+                         f"{value.shape} (B, S and K must match; its head dim may differ)")
     if not (query.dtype == key.dtype == value.dtype):
         raise ValueError(f"query, key and value must share one dtype, got query {query.dtype}, "
                          f"key {key.dtype}, value {value.dtype}")
@@ -294,7 +302,7 @@ def dot_product_attention(
     return_residual = bool(return_residual)
     mask4 = None if mask is None else _mask(mask, (batch, q_heads, seq_q, seq_kv))
 
-    reasons = _unsupported(query.dtype, head_dim, bias, scale, window)
+    reasons = _unsupported(query.dtype, max(head_dim, v4.shape[3]), bias, scale, window)
     if reasons:
         if implementation == "pallas":
             raise ValueError(
@@ -312,6 +320,12 @@ def dot_product_attention(
                 "logits_soft_cap is served by the Pallas kernels only, and they cannot serve "
                 "this call (" + "; ".join(reasons.values()) + "); jax.nn.dot_product_attention, "
                 "which would, has no soft cap"
+            )
+        if _value_head_dim_differs(query, value):
+            raise ValueError(
+                "a value head dim other than the query's is served by the Pallas kernels only, "
+                "and they cannot serve this call (" + "; ".join(reasons.values()) + "); "
+                "jax.nn.dot_product_attention, which would, needs one head dim"
             )
         _warn_fallback(reasons)
         return jax.nn.dot_product_attention(
@@ -394,6 +408,10 @@ def dot_product_attention(
         branches = [kernel_branch(False), kernel_branch(True), fallback_branch]
         index = branch
     return finish(*lax.switch(index, branches, q_ids, kv_ids, q_lengths, kv_lengths, branch))
+
+
+def _value_head_dim_differs(query, value) -> bool:
+    return jnp.ndim(value) >= 1 and jnp.shape(value)[-1] != jnp.shape(query)[-1]
 
 
 def _ensure_4d(name, x):
@@ -567,7 +585,7 @@ def _xla_masked_attention(q, k, v, mask, *, causal, window, q_lengths, kv_length
                           softcap, return_residual, sinks=None):
     """Attention with a dense mask in XLA, jax.nn's arithmetic, a chunk of queries at a time.
 
-    q: [B, T, N, H]; k, v: [B, S, K, H]; mask: [B|1, N|1, T|1, S|1] boolean. Each chunk is
+    q, k: [B, T, N, H], [B, S, K, H]; v: [B, S, K, H_v]; mask: [B|1, N|1, T|1, S|1]. Each chunk is
     rematerialised in the backward pass, so neither pass holds more than one chunk's logits.
     Returns (out,) or (out, residual [B, T, N] in k's dtype, gradient stopped).
     """
@@ -606,11 +624,12 @@ def _xla_masked_attention(q, k, v, mask, *, causal, window, q_lengths, kv_length
 
 
 def _xla_rows(q, k, v, visible, *, scale, softcap):
-    """softmax(cap(scale * q k^T), visible) v for q [B, C, N, H], visible [B|1, N|1, C, S].
+    """softmax(cap(scale * q k^T), visible) v for q [B, C, N, H], v [B, S, K, H_v], visible
+    [B|1, N|1, C, S].
 
     jax.nn's arithmetic (float32 logits and softmax, masked logits set to a large negative
     number, P cast to v's dtype), except that a row that sees no key gives 0 and lse -inf.
-    Returns out [B, C, N, H] in q's dtype and lse [B, C, N] float32.
+    Returns out [B, C, N, H_v] in q's dtype and lse [B, C, N] float32.
     """
     batch, rows, heads, head_dim = q.shape
     kv_heads = k.shape[2]
@@ -633,7 +652,7 @@ def _xla_rows(q, k, v, visible, *, scale, softcap):
     probs = jnp.exp(logits - lse[..., None]).astype(v.dtype)
     out = jnp.einsum("bkgcs,bskh->bckgh", probs, v).astype(compute)
     out_seen = jnp.moveaxis(seen, -1, 1)[..., None]                  # [B|1, C, K|1, G|1, 1]
-    out = jnp.where(out_seen, out, 0.0).astype(q.dtype).reshape(batch, rows, heads, head_dim)
+    out = jnp.where(out_seen, out, 0.0).astype(q.dtype).reshape(batch, rows, heads, v.shape[-1])
     lse = jnp.where(seen, lse, -jnp.inf)
     lse = jnp.broadcast_to(lse, (batch, kv_heads, group, rows))
     return out, jnp.moveaxis(lse.reshape(batch, heads, rows), 1, 2)

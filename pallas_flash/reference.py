@@ -101,17 +101,18 @@ def reference_attention(
 
     Args:
       q: [batch, seq_q, q_heads, head_dim].
-      k, v: [batch, seq_kv, kv_heads, head_dim]; q_heads is a multiple of kv_heads.
+      k: [batch, seq_kv, kv_heads, head_dim]; q_heads is a multiple of kv_heads.
+      v: [batch, seq_kv, kv_heads, head_dim_v]; head_dim_v may differ from head_dim (MLA).
 
     Returns:
-      out [batch, seq_q, q_heads, head_dim] in q's dtype, and with ``return_lse`` also
+      out [batch, seq_q, q_heads, head_dim_v] in q's dtype, and with ``return_lse`` also
       lse [batch, q_heads, seq_q] float32 (float64 for float64 inputs). Rows that see no key
       give out = 0 and lse = -inf.
     """
     opts = validation.validate(
         q, k, v, causal=causal, scale=scale, causal_alignment=causal_alignment, window=window,
         softcap=softcap, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
-        q_lengths=q_lengths, kv_lengths=kv_lengths,
+        q_lengths=q_lengths, kv_lengths=kv_lengths, v_head_dim_may_differ=True,
     )
     batch, seq_q, q_heads, _ = q.shape
     seq_kv, kv_heads = k.shape[1], k.shape[2]

@@ -46,7 +46,9 @@ def _is_int(x) -> bool:
 
 
 def validate(q, k, v, *, causal, scale, causal_alignment, window, softcap, q_segment_ids,
-             kv_segment_ids, q_lengths, kv_lengths) -> Options:
+             kv_segment_ids, q_lengths, kv_lengths, v_head_dim_may_differ=False) -> Options:
+    """v_head_dim_may_differ: the caller serves a V head_dim other than Q/K's (MLA); an entry
+    point that does not leaves it False and gets a ValueError for such a v."""
     shapes = {name: _shape_of(name, x) for name, x in (("q", q), ("k", k), ("v", v))}
     for name, shape in shapes.items():
         if len(shape) != 4:
@@ -64,27 +66,37 @@ def validate(q, k, v, *, causal, scale, causal_alignment, window, softcap, q_seg
         )
     (batch, seq_q, q_heads, head_dim) = shapes["q"]
     (_, seq_kv, kv_heads, _) = shapes["k"]
+    head_dim_v = shapes["v"][3]
     for name in ("k", "v"):
         if shapes[name][0] != batch:
             raise ValueError(
                 f"{name} batch size {shapes[name][0]} does not match q batch size {batch} "
                 f"(q {shapes['q']}, {name} {shapes[name]})"
             )
-        if shapes[name][3] != head_dim:
-            raise ValueError(
-                f"{name} head_dim {shapes[name][3]} does not match q head_dim {head_dim} "
-                f"(q {shapes['q']}, {name} {shapes[name]})"
-            )
+    if shapes["k"][3] != head_dim:
+        raise ValueError(
+            f"k head_dim {shapes['k'][3]} does not match q head_dim {head_dim} "
+            f"(q {shapes['q']}, k {shapes['k']})"
+        )
+    if head_dim_v != head_dim and not v_head_dim_may_differ:
+        raise ValueError(
+            f"v head_dim {head_dim_v} does not match q head_dim {head_dim} (q {shapes['q']}, "
+            f"v {shapes['v']}): this entry point takes one head_dim (flash_attention takes a "
+            f"V head_dim of its own)"
+        )
     if shapes["v"][1:3] != shapes["k"][1:3]:
         raise ValueError(
             f"v must have the seq_kv and kv_heads of k, got k {shapes['k']} and v {shapes['v']}"
         )
-    if min(seq_q, seq_kv, q_heads, kv_heads, head_dim, batch) < 1:
+    if min(seq_q, seq_kv, q_heads, kv_heads, head_dim, head_dim_v, batch) < 1:
         raise ValueError(
-            f"every dimension must be >= 1, got q {shapes['q']}, k {shapes['k']}"
+            f"every dimension must be >= 1, got q {shapes['q']}, k {shapes['k']}, "
+            f"v {shapes['v']}"
         )
-    if head_dim > MAX_HEAD_DIM:
-        raise ValueError(f"head_dim must be <= {MAX_HEAD_DIM}, got {head_dim} (q {shapes['q']})")
+    for name, dim in (("q", head_dim), ("v", head_dim_v)):
+        if dim > MAX_HEAD_DIM:
+            raise ValueError(f"{name} head_dim must be <= {MAX_HEAD_DIM}, got {dim} "
+                             f"({name} {shapes[name]})")
     if q_heads % kv_heads != 0:
         raise ValueError(
             f"the number of q heads ({q_heads}) must be a multiple of the number of kv heads "

@@ -11,6 +11,7 @@ P_ij):
   Summing the group inside one program is what makes dK/dV deterministic with no atomics.
 * dQ kernel. Grid (query blocks, batch, q_heads), looping over key blocks:  dQ += dS K * scale.
 
+V, dO and dV have V's head_dim, which may differ from Q/K's (MLA); dP = dO V^T contracts it.
 Softcap: S = c * tanh(S_raw / c), so dS_raw = dS * (1 - tanh^2).
 Rows that saw no key (r = -inf) are read as r = +inf, which turns their P into exactly 0; rows
 past the end of the sequence are read the same way, so neither needs a mask.
@@ -66,7 +67,7 @@ def _ds_product(spec, ds, x, *, trans_a=False):
 
 
 def _dkdv_kernel(*refs, spec: AttentionSpec, group: int, block_q: int, block_kv: int,
-                 head_dim: int, tile=None):
+                 head_dim: int, head_dim_v: int, tile=None):
     (q_ref, k_ref, v_ref, do_ref, m_ref, r_ref, delta_ref), segment_refs, (dk_ref, dv_ref) = (
         common.split_refs(refs, 7, spec.has_segments))
     q_ids_ref, kv_ids_ref, lo_ref, hi_ref = segment_refs
@@ -74,11 +75,13 @@ def _dkdv_kernel(*refs, spec: AttentionSpec, group: int, block_q: int, block_kv:
     acc_dtype = common.accumulator_dtype(q_ref.dtype)
     d_pad = q_ref.shape[-1]
     cols = common.column_mask(head_dim, d_pad)
+    dv_pad = v_ref.shape[-1]
+    v_cols = common.value_column_mask(cols, head_dim, head_dim_v, dv_pad)
 
     kv_start = (pl.program_id(0) if tile is None else tile) * block_kv
     k_pos = common.row_positions(kv_start, block_kv)
     k = common.load_tile(k_ref, kv_start, block_kv, mask.seq_kv, cols)
-    v = common.load_tile(v_ref, kv_start, block_kv, mask.seq_kv, cols)
+    v = common.load_tile(v_ref, kv_start, block_kv, mask.seq_kv, v_cols)
     kv_ids = None
     if kv_ids_ref is not None:
         kv_ids = common.load_vector(kv_ids_ref, kv_start, block_kv, mask.seq_kv, other=-2)
@@ -90,7 +93,7 @@ def _dkdv_kernel(*refs, spec: AttentionSpec, group: int, block_q: int, block_kv:
             dk, dv = carry
             q_start = i * block_q
             q = common.load_tile(q_ref, q_start, block_q, mask.seq_q, cols, head=g)
-            do = common.load_tile(do_ref, q_start, block_q, mask.seq_q, cols, head=g)
+            do = common.load_tile(do_ref, q_start, block_q, mask.seq_q, v_cols, head=g)
             stats = _load_stats(m_ref, r_ref, q_start, block_q, mask.seq_q, head=g)
             delta = common.load_vector(delta_ref, q_start, block_q, mask.seq_q, head=g, other=0.0)
             vis = None
@@ -113,13 +116,14 @@ def _dkdv_kernel(*refs, spec: AttentionSpec, group: int, block_q: int, block_kv:
         return common.three_phase_loop(bounds, step, carry)
 
     zeros = jnp.zeros((block_kv, d_pad), acc_dtype)
-    dk, dv = jax.lax.fori_loop(jnp.int32(0), jnp.int32(group), head_step, (zeros, zeros))
+    zeros_v = zeros if dv_pad == d_pad else jnp.zeros((block_kv, dv_pad), acc_dtype)
+    dk, dv = jax.lax.fori_loop(jnp.int32(0), jnp.int32(group), head_step, (zeros, zeros_v))
     common.store_tile(dk_ref, kv_start, block_kv, mask.seq_kv, cols, dk * spec.scale)
-    common.store_tile(dv_ref, kv_start, block_kv, mask.seq_kv, cols, dv)
+    common.store_tile(dv_ref, kv_start, block_kv, mask.seq_kv, v_cols, dv)
 
 
 def _dq_kernel(*refs, spec: AttentionSpec, block_q: int, block_kv: int, head_dim: int,
-               tile=None):
+               head_dim_v: int, tile=None):
     (q_ref, k_ref, v_ref, do_ref, m_ref, r_ref, delta_ref), segment_refs, (dq_ref,) = (
         common.split_refs(refs, 7, spec.has_segments))
     q_ids_ref, kv_ids_ref, lo_ref, hi_ref = segment_refs
@@ -127,11 +131,12 @@ def _dq_kernel(*refs, spec: AttentionSpec, block_q: int, block_kv: int, head_dim
     acc_dtype = common.accumulator_dtype(q_ref.dtype)
     d_pad = q_ref.shape[-1]
     cols = common.column_mask(head_dim, d_pad)
+    v_cols = common.value_column_mask(cols, head_dim, head_dim_v, v_ref.shape[-1])
 
     q_start = (pl.program_id(0) if tile is None else tile) * block_q
     q_pos = common.row_positions(q_start, block_q)
     q = common.load_tile(q_ref, q_start, block_q, mask.seq_q, cols)
-    do = common.load_tile(do_ref, q_start, block_q, mask.seq_q, cols)
+    do = common.load_tile(do_ref, q_start, block_q, mask.seq_q, v_cols)
     stats = _load_stats(m_ref, r_ref, q_start, block_q, mask.seq_q)
     delta = common.load_vector(delta_ref, q_start, block_q, mask.seq_q, other=0.0)
     q_ids = None
@@ -141,7 +146,7 @@ def _dq_kernel(*refs, spec: AttentionSpec, block_q: int, block_kv: int, head_dim
     def step(j, dq, masked):
         k_start = j * block_kv
         k = common.load_tile(k_ref, k_start, block_kv, mask.seq_kv, cols)
-        v = common.load_tile(v_ref, k_start, block_kv, mask.seq_kv, cols)
+        v = common.load_tile(v_ref, k_start, block_kv, mask.seq_kv, v_cols)
         vis = None
         k_for_dq = k
         if masked:
@@ -162,7 +167,7 @@ def _dq_kernel(*refs, spec: AttentionSpec, block_q: int, block_kv: int, head_dim
 
 def backward(spec: AttentionSpec, q, k, v, out, stats: RowStats, do, dlse, q_ids=None,
              kv_ids=None, *, delta=None, skip=None, into=None):
-    """(dq, dk, dv) in the dtypes of q, k, v.
+    """(dq, dk, dv) in the dtypes and shapes of q, k, v (dv and dO have V's head_dim).
 
     stats: the forward's row statistics (stats.RowStats); dlse: the cotangent of the public lse
     (zeros if unused).
@@ -172,9 +177,10 @@ def backward(spec: AttentionSpec, q, k, v, out, stats: RowStats, do, dlse, q_ids
     if (skip is None) != (into is None):
         raise ValueError("skip and into are given together or not at all")
     batch, seq_q, q_heads, head_dim = q.shape
-    seq_kv, kv_heads = k.shape[1], k.shape[2]
+    seq_kv, kv_heads, head_dim_v = k.shape[1], k.shape[2], v.shape[3]
     group = q_heads // kv_heads
     d_pad = common.padded_head_dim(head_dim)
+    dv_pad = common.padded_head_dim(head_dim_v)
     acc_dtype = common.accumulator_dtype(q.dtype)
 
     # The preprocess: one XLA pass over O and dO, [batch, q_heads, seq_q].
@@ -188,9 +194,11 @@ def backward(spec: AttentionSpec, q, k, v, out, stats: RowStats, do, dlse, q_ids
     block_q = common.fit_block(cfg.block_q, seq_q)
     block_kv = common.fit_block(cfg.block_kv, seq_kv)
     group_q = pl.BlockSpec((None, seq_q, group, d_pad), lambda j, b, h: (b, 0, h, 0))
+    group_do = pl.BlockSpec((None, seq_q, group, dv_pad), lambda j, b, h: (b, 0, h, 0))
     group_rows = pl.BlockSpec((None, group, seq_q), lambda j, b, h: (b, h, 0))
     own_kv = pl.BlockSpec((None, seq_kv, None, d_pad), lambda j, b, h: (b, 0, h, 0))
-    in_specs = [group_q, own_kv, own_kv, group_q, group_rows, group_rows, group_rows]
+    own_v = pl.BlockSpec((None, seq_kv, None, dv_pad), lambda j, b, h: (b, 0, h, 0))
+    in_specs = [group_q, own_kv, own_v, group_do, group_rows, group_rows, group_rows]
     args = [q, k, v, do, stats.m, stats.r, delta]
     if spec.has_segments:
         # Per key block: the query blocks whose ids may match.
@@ -201,13 +209,13 @@ def backward(spec: AttentionSpec, q, k, v, out, stats: RowStats, do, dlse, q_ids
     out_shape = [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)]
     kernel, in_specs, args, aliases = common.predicated(
         functools.partial(_dkdv_kernel, spec=spec, group=group, block_q=block_q,
-                          block_kv=block_kv, head_dim=head_dim),
-        in_specs, args, [own_kv, own_kv], out_shape, skip, None if into is None else into[1:])
+                          block_kv=block_kv, head_dim=head_dim, head_dim_v=head_dim_v),
+        in_specs, args, [own_kv, own_v], out_shape, skip, None if into is None else into[1:])
     dk, dv = pl.pallas_call(
         kernel,
         grid=(pl.cdiv(seq_kv, block_kv), batch, kv_heads),
         in_specs=in_specs,
-        out_specs=[own_kv, own_kv],
+        out_specs=[own_kv, own_v],
         out_shape=out_shape,
         input_output_aliases=aliases,
         compiler_params=compiler(cfg),
@@ -220,9 +228,11 @@ def backward(spec: AttentionSpec, q, k, v, out, stats: RowStats, do, dlse, q_ids
     block_q = common.fit_block(cfg.block_q, seq_q)
     block_kv = common.fit_block(cfg.block_kv, seq_kv)
     own_q = pl.BlockSpec((None, seq_q, None, d_pad), lambda i, b, h: (b, 0, h, 0))
+    own_do = pl.BlockSpec((None, seq_q, None, dv_pad), lambda i, b, h: (b, 0, h, 0))
     shared_kv = pl.BlockSpec((None, seq_kv, None, d_pad), lambda i, b, h: (b, 0, h // group, 0))
+    shared_v = pl.BlockSpec((None, seq_kv, None, dv_pad), lambda i, b, h: (b, 0, h // group, 0))
     own_rows = pl.BlockSpec((None, None, seq_q), lambda i, b, h: (b, h, 0))
-    in_specs = [own_q, shared_kv, shared_kv, own_q, own_rows, own_rows, own_rows]
+    in_specs = [own_q, shared_kv, shared_v, own_do, own_rows, own_rows, own_rows]
     args = [q, k, v, do, stats.m, stats.r, delta]
     if spec.has_segments:
         lo, hi = segment_block_ranges(q_ids, kv_ids, block_q, block_kv)
@@ -232,7 +242,7 @@ def backward(spec: AttentionSpec, q, k, v, out, stats: RowStats, do, dlse, q_ids
     out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype)]
     kernel, in_specs, args, aliases = common.predicated(
         functools.partial(_dq_kernel, spec=spec, block_q=block_q, block_kv=block_kv,
-                          head_dim=head_dim),
+                          head_dim=head_dim, head_dim_v=head_dim_v),
         in_specs, args, [own_q], out_shape, skip, None if into is None else into[:1])
     (dq,) = pl.pallas_call(
         kernel,

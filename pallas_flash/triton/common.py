@@ -1,7 +1,8 @@
 """In-kernel pieces shared by the Triton forward and backward kernels.
 
 Tile reads are unchecked pointer offsets: every load and store of a partial tile is row-masked.
-head_dim is padded to a power of two, the only size the lowering builds. On masked tiles,
+head_dim is padded to a power of two, the only size the lowering builds; V (with dO and O) may
+have a head_dim of its own, padded and masked apart from Q/K's. On masked tiles,
 non-finite operand entries are zeroed before a block matmul (0 * NaN is NaN) and the visible
 pairs that used them marked NaN: a NaN input reaches exactly the rows that depend on it."""
 
@@ -39,6 +40,12 @@ def column_mask(head_dim: int, padded: int):
     if head_dim == padded:
         return None
     return (jnp.arange(padded, dtype=jnp.int32) < head_dim)[None, :]
+
+
+def value_column_mask(cols, head_dim: int, head_dim_v: int, padded_v: int):
+    """The column mask of V, dO and O: `cols` itself when V's head_dim is Q/K's (one mask in
+    the kernel), else V's own (MLA: Q/K 192, V 128)."""
+    return cols if head_dim_v == head_dim else column_mask(head_dim_v, padded_v)
 
 
 def row_positions(start, block: int):

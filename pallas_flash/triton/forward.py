@@ -7,6 +7,7 @@ FlashAttention-2's online softmax, in logit units u (stats.py) and base 2:
     l_j   = l_{j-1} * 2^((m_{j-1} - m_j) c) + rowsum(2^((U_j - m_j) c))
     acc_j = acc_{j-1} * 2^((m_{j-1} - m_j) c) + 2^((U_j - m_j) c) V_j
     O = acc / l,    r = log2 l,    c = logit_scale * log2(e)
+Q and K share one head_dim; V, acc and O have V's own (equal, or not: MLA).
 
 Only the key blocks masking.py's range gives are visited, unmasked where every query sees
 them whole. A row that sees no key leaves with O = 0, m = 0 and r = -inf: the running max is
@@ -31,13 +32,14 @@ __all__ = ["forward"]
 
 
 def _forward_kernel(*refs, spec: AttentionSpec, block_q: int, block_kv: int, head_dim: int,
-                    tile=None):
+                    head_dim_v: int, tile=None):
     (q_ref, k_ref, v_ref), segment_refs, (o_ref, m_ref, r_ref) = common.split_refs(
         refs, 3, spec.has_segments)
     q_ids_ref, kv_ids_ref, lo_ref, hi_ref = segment_refs
     mask = spec.mask
     acc_dtype = common.accumulator_dtype(q_ref.dtype)
     cols = common.column_mask(head_dim, q_ref.shape[-1])
+    v_cols = common.value_column_mask(cols, head_dim, head_dim_v, v_ref.shape[-1])
 
     q_start = (pl.program_id(0) if tile is None else tile) * block_q
     q_pos = common.row_positions(q_start, block_q)
@@ -52,7 +54,7 @@ def _forward_kernel(*refs, spec: AttentionSpec, block_q: int, block_kv: int, hea
         acc, m, l = carry
         k_start = j * block_kv
         k = common.load_tile(k_ref, k_start, block_kv, mask.seq_kv, cols)
-        v = common.load_tile(v_ref, k_start, block_kv, mask.seq_kv, cols)
+        v = common.load_tile(v_ref, k_start, block_kv, mask.seq_kv, v_cols)
         u, _ = common.logits(spec, q, k)
         poison = None
         if masked:
@@ -76,7 +78,7 @@ def _forward_kernel(*refs, spec: AttentionSpec, block_q: int, block_kv: int, hea
         return acc, m_new, l
 
     init = (
-        jnp.zeros((block_q, q_ref.shape[-1]), acc_dtype),
+        jnp.zeros((block_q, v_ref.shape[-1]), acc_dtype),
         jnp.full((block_q,), -jnp.inf, acc_dtype),
         jnp.zeros((block_q,), acc_dtype),
     )
@@ -87,7 +89,7 @@ def _forward_kernel(*refs, spec: AttentionSpec, block_q: int, block_kv: int, hea
     # `l != 0` rather than `l > 0`: a NaN row must stay NaN (r too), not pass for empty.
     seen = l != 0
     out = common.clamp_to_dtype(acc / jnp.where(seen, l, 1.0)[:, None], o_ref.dtype)
-    common.store_tile(o_ref, q_start, block_q, mask.seq_q, cols, out)
+    common.store_tile(o_ref, q_start, block_q, mask.seq_q, v_cols, out)
     ok = q_pos < mask.seq_q
     index = pl.ds(q_start, block_q)
     plgpu.store(m_ref.at[index], jnp.where(m == -jnp.inf, 0.0, m).astype(m_ref.dtype), mask=ok)
@@ -95,24 +97,26 @@ def _forward_kernel(*refs, spec: AttentionSpec, block_q: int, block_kv: int, hea
 
 
 def forward(spec: AttentionSpec, q, k, v, q_ids=None, kv_ids=None, *, skip=None, into=None):
-    """O [batch, seq_q, q_heads, head_dim] and the row statistics (stats.RowStats, each
-    [batch, q_heads, seq_q]).
+    """O [batch, seq_q, q_heads, head_dim_v] (V's head_dim, which may differ from Q/K's) and
+    the row statistics (stats.RowStats, each [batch, q_heads, seq_q]).
 
     q_ids/kv_ids: int32 [batch, seq] segment ids (masking.py), exactly when spec.has_segments.
     skip, into: a predicated launch (common.predicated), both or neither.
     """
     batch, seq_q, q_heads, head_dim = q.shape
-    seq_kv, kv_heads = k.shape[1], k.shape[2]
+    seq_kv, kv_heads, head_dim_v = k.shape[1], k.shape[2], v.shape[3]
     group = q_heads // kv_heads
     cfg = spec.config.fwd
     block_q = common.fit_block(cfg.block_q, seq_q)
     block_kv = common.fit_block(cfg.block_kv, seq_kv)
     d_pad = common.padded_head_dim(head_dim)
+    dv_pad = common.padded_head_dim(head_dim_v)
     n_q_blocks = pl.cdiv(seq_q, block_q)
 
     whole_q = pl.BlockSpec((None, seq_q, None, d_pad), lambda i, b, h: (b, 0, h, 0))
     whole_kv = pl.BlockSpec((None, seq_kv, None, d_pad), lambda i, b, h: (b, 0, h // group, 0))
-    in_specs = [whole_q, whole_kv, whole_kv]
+    whole_v = pl.BlockSpec((None, seq_kv, None, dv_pad), lambda i, b, h: (b, 0, h // group, 0))
+    in_specs = [whole_q, whole_kv, whole_v]
     args = [q, k, v]
     if spec.has_segments:
         lo, hi = segment_block_ranges(q_ids, kv_ids, block_q, block_kv)
@@ -123,11 +127,12 @@ def forward(spec: AttentionSpec, q, k, v, q_ids=None, kv_ids=None, *, skip=None,
     stats_dtype = common.accumulator_dtype(q.dtype)
     per_row = pl.BlockSpec((None, None, seq_q), lambda i, b, h: (b, h, 0))
     kernel = functools.partial(
-        _forward_kernel, spec=spec, block_q=block_q, block_kv=block_kv, head_dim=head_dim
+        _forward_kernel, spec=spec, block_q=block_q, block_kv=block_kv, head_dim=head_dim,
+        head_dim_v=head_dim_v,
     )
-    out_specs = [pl.BlockSpec((None, seq_q, None, d_pad), lambda i, b, h: (b, 0, h, 0)),
+    out_specs = [pl.BlockSpec((None, seq_q, None, dv_pad), lambda i, b, h: (b, 0, h, 0)),
                  per_row, per_row]
-    out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype),
+    out_shape = [jax.ShapeDtypeStruct((batch, seq_q, q_heads, head_dim_v), q.dtype),
                  jax.ShapeDtypeStruct((batch, q_heads, seq_q), stats_dtype),
                  jax.ShapeDtypeStruct((batch, q_heads, seq_q), stats_dtype)]
     into = None if into is None else (into[0], into[1].m, into[1].r)
