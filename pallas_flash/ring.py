@@ -114,11 +114,12 @@ def zigzag_unpermute(x, num_devices: int, axis: int = 1):
 # ================================================================================================
 
 
-def _plan(q, k, v, *, axis_name: str, axis_size: int, where: str, causal, scale, softcap,
+def _plan(q, k, v, *, axis_name: str, axis_size: int | None, where: str, causal, scale, softcap,
           window, causal_alignment, layout, strategy, backend, precision, config, interpret,
           ids) -> Plan:
     """Validates every option (ValueError naming it) and builds the static plan for the local
-    shards of q, k, v; `where` says whether the shapes given are "global" or "local".
+    shards of q, k, v; `where` says whether the shapes given are "global" or "local" (inside a
+    shard_map: axis_size None, read from the axis once the arguments are checked).
 
     ids: the segment-id and length arguments by name (None where not given), checked against
     the shapes of q and k as `flash_attention` checks them.
@@ -136,6 +137,7 @@ def _plan(q, k, v, *, axis_name: str, axis_size: int, where: str, causal, scale,
         raise ValueError(f"ring attention is self-attention: q and k need one sequence length, "
                          f"got q {tuple(q.shape)} and k {tuple(k.shape)}")
     parts = axis_size if where == "global" else 1
+    axis_size = lax.axis_size(axis_name) if axis_size is None else axis_size
     chunks = parts * (2 if layout == "zigzag" else 1)
     if q.shape[1] % chunks:
         raise ValueError(f"the {where} sequence length ({q.shape[1]}) must be divisible by "
@@ -269,11 +271,10 @@ def ring_attention_local(q, k, v, *, axis_name: str, causal: bool = False,
         raise ValueError(f"return_lse must be a bool, got {return_lse!r}")
     ids = dict(q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, q_lengths=q_lengths,
                kv_lengths=kv_lengths)
-    plan = _plan(q, k, v, axis_name=axis_name, axis_size=lax.axis_size(axis_name),
-                 where="local", causal=causal, scale=scale, softcap=softcap, window=window,
-                 causal_alignment=causal_alignment, layout=layout, strategy=strategy,
-                 backend=backend, precision=precision, config=config, interpret=interpret,
-                 ids=ids)
+    plan = _plan(q, k, v, axis_name=axis_name, axis_size=None, where="local", causal=causal,
+                 scale=scale, softcap=softcap, window=window, causal_alignment=causal_alignment,
+                 layout=layout, strategy=strategy, backend=backend, precision=precision,
+                 config=config, interpret=interpret, ids=ids)
     ids = _given_ids(**ids)
     out, lse = _per_device(plan, tuple(ids), q, k, v, *ids.values())
     if sinks is not None:  # this device's heads: [local q_heads]

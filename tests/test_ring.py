@@ -23,7 +23,10 @@ from jax.test_util import check_grads
 import pallas_flash as pf
 from helpers import (ON_GPU, compare_results, make_mesh, outputs_and_grads, random_inputs,
                      single_device)
-from pallas_flash import ring
+from pallas_flash import attention, ring, ring_plan, ring_steps
+from pallas_flash.masking import MaskSpec
+from pallas_flash.mosaic import forward as mosaic_forward
+from pallas_flash.sharding import ID_OPTIONS
 
 pytestmark = pytest.mark.skipif(len(jax.devices()) < 2, reason="needs at least 2 devices")
 F32 = jnp.float32
@@ -76,12 +79,9 @@ def test_ring_segment_id_errors(monkeypatch):
     def no_kernel(*args, **kwargs):
         raise AssertionError("a kernel was traced before the arguments were checked")
 
-    monkeypatch.setattr(ring, "_kernel_forward", no_kernel)
-    monkeypatch.setattr(ring, "_kernel_backward", no_kernel)
-    # No trace made with these stand-ins may be reused after the test.
-    ring._sharded_ring_fn.cache_clear()
-    monkeypatch.setattr(ring, "_sharded_ring_fn",
-                        functools.lru_cache(maxsize=None)(ring._sharded_ring_fn.__wrapped__))
+    monkeypatch.setattr(ring_steps, "_kernel_forward", no_kernel)
+    monkeypatch.setattr(ring_steps, "_kernel_backward", no_kernel)
+    _fresh_traces(monkeypatch)
     q = jax.ShapeDtypeStruct((2, 32, 4, 16), F32)
     k = v = jax.ShapeDtypeStruct((2, 32, 2, 16), F32)
     ids = jax.ShapeDtypeStruct((2, 32), jnp.int32)
@@ -134,13 +134,15 @@ def _ring_fn(mesh, layout, ring_size, *, entry="global", **ring_options):
     else:
         into = back = lambda x, axis=1: x  # noqa: E731
 
-    def attend(q, k, v, return_lse=False, causal=False, **ids):
+    def attend(q, k, v, return_lse=False, causal=False, **options):
         q, k, v = (into(x, axis=1) for x in (q, k, v))
         ids = {name: into(x, axis=1) if name.endswith("segment_ids") else x
-               for name, x in ids.items()}
+               for name, x in options.items() if name in ID_OPTIONS}
+        opts = {**ring_options,
+                **{name: x for name, x in options.items() if name not in ID_OPTIONS}}
         if entry == "global":
             out, lse = pf.ring_attention(q, k, v, mesh=mesh, axis_name="ring", causal=causal,
-                                         layout=layout, return_lse=True, **ids, **ring_options)
+                                         layout=layout, return_lse=True, **ids, **opts)
         else:
             # The per-device function inside the caller's own shard_map.
             tokens, rows = P(None, "ring", None, None), P(None, None, "ring")
@@ -151,7 +153,7 @@ def _ring_fn(mesh, layout, ring_size, *, entry="global", **ring_options):
             def local(q, k, v, *id_values):
                 return pf.ring_attention_local(q, k, v, axis_name="ring", causal=causal,
                                                layout=layout, return_lse=True,
-                                               **dict(zip(names, id_values)), **ring_options)
+                                               **dict(zip(names, id_values)), **opts)
 
             out, lse = jax.shard_map(local, mesh=mesh, in_specs=(tokens,) * 3 + id_specs,
                                      out_specs=(tokens, rows), check_vma=False)(
@@ -213,6 +215,14 @@ def _inputs_and_expected(shape, causal, packing=None):
     return (q, k, v, do, dlse), ids, jax.device_get(flash), jax.device_get(ref)
 
 
+def _fresh_traces(monkeypatch):
+    """Traces made with the real kernels must not be reused while a test swaps them, nor the
+    test's traces kept after it."""
+    ring._sharded_fn.cache_clear()
+    monkeypatch.setattr(ring, "_sharded_fn",
+                        functools.lru_cache(maxsize=None)(ring._sharded_fn.__wrapped__))
+
+
 def _count_kernel_calls(monkeypatch, axis_name):
     """Wraps the ring's kernels so that every call that actually executes (not merely traced:
     a lax.cond branch not taken never runs its callback) records (ring position, q rows,
@@ -229,13 +239,11 @@ def _count_kernel_calls(monkeypatch, axis_name):
 
         return wrapper
 
-    monkeypatch.setattr(ring, "_kernel_forward", counted("forward", ring._kernel_forward))
-    monkeypatch.setattr(ring, "_kernel_backward",
-                        counted("backward", ring._kernel_backward))
-    # Traces made with the unwrapped kernels must not be reused, nor ours kept after the test.
-    ring._sharded_ring_fn.cache_clear()
-    monkeypatch.setattr(ring, "_sharded_ring_fn",
-                        functools.lru_cache(maxsize=None)(ring._sharded_ring_fn.__wrapped__))
+    monkeypatch.setattr(ring_steps, "_kernel_forward",
+                        counted("forward", ring_steps._kernel_forward))
+    monkeypatch.setattr(ring_steps, "_kernel_backward",
+                        counted("backward", ring_steps._kernel_backward))
+    _fresh_traces(monkeypatch)
     return calls
 
 
@@ -363,3 +371,186 @@ def test_ring_with_sinks_matches_reference():
     for name, a, b in zip(("dq", "dk", "dv", "dsinks"), got, want):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-4, atol=2e-5,
                                    err_msg=name)
+
+
+# ================================================================================================
+# Strategies and masks: every variant against the reference
+# ================================================================================================
+
+VARIANT_CASES = {
+    # name: (ring size, layout, strategy, causal, (batch, seq, q_heads, kv_heads, head_dim),
+    #        options for both sides, extra options for the ring only)
+    # A two-sided window: some pairs of later shards are seen, the far ones skipped.
+    "ring_4_contiguous_window": (4, "contiguous", "ring", False, (1, 128, 4, 2, 32),
+                                 {"window": (10, 40)}, {}),
+    "ring_2_zigzag_causal_window_bottom_right_softcap": (
+        2, "zigzag", "ring", True, (1, 128, 4, 2, 32),
+        {"window": (24, None), "causal_alignment": "bottom_right", "softcap": 5.0}, {}),
+    "allgather_4_zigzag_causal_mqa_docs_lengths": (
+        4, "zigzag", "allgather", True, (2, 64, 4, 1, 32), {"ids": "docs+lengths"}, {}),
+    # "auto" takes the all-gather here: 4 q heads per kv head on 2 devices (byte model).
+    "auto_2_contiguous_window_softcap_sinks_local": (
+        2, "contiguous", "auto", False, (1, 64, 4, 1, 64),
+        {"window": (16, 8), "softcap": 4.0, "sinks": True}, {"entry": "local"}),
+}
+
+
+@functools.lru_cache(maxsize=None)
+def _reference_case(shape, causal, packing, options):
+    batch, seq, q_heads, kv_heads, head_dim = shape
+    q, k, v, do = random_inputs(jax.random.PRNGKey(seq + head_dim), batch, seq, seq, q_heads,
+                                kv_heads, head_dim, F32)
+    dlse = _dlse(jax.random.PRNGKey(3), q)
+    kwargs = dict(options, causal=causal)
+    if kwargs.pop("sinks", False):
+        kwargs["sinks"] = 1.5 * jax.random.normal(jax.random.PRNGKey(5), (q_heads,), F32)
+    if packing is not None:
+        kwargs.update(_packed_ids(batch, seq, *packing))
+    ref = outputs_and_grads(pf.reference_attention, q, k, v, do, dlse, kwargs)
+    return (q, k, v, do, dlse), kwargs, jax.device_get(ref)
+
+
+@pytest.mark.parametrize("name", list(VARIANT_CASES))
+def test_strategies_and_variants_match_reference(name):
+    """O, lse, dq, dk, dv of each strategy against reference_attention under random
+    cotangents, with windows, bottom-right alignment, softcap, GQA/MQA, packed documents,
+    padding lengths and sinks; the global and the per-device entry."""
+    ring_size, layout, strategy, causal, shape, options, extra = VARIANT_CASES[name]
+    options = dict(options)
+    ids_kind = options.pop("ids", None)
+    packing = None if ids_kind is None else (ring_size, ids_kind)
+    inputs, kwargs, ref = _reference_case(shape, causal, packing, tuple(sorted(options.items())))
+    mesh = make_mesh((ring_size,), ("ring",))
+    fn = _ring_fn(mesh, layout, ring_size, strategy=strategy, **extra)
+    got = outputs_and_grads(fn, *inputs, kwargs)
+    compare_results(name, got, ref, F32)
+    if strategy == "auto":
+        jaxpr = str(jax.make_jaxpr(lambda *a: fn(*a, **kwargs))(*inputs[:3]))
+        assert "all_gather" in jaxpr and "ppermute" not in jaxpr
+
+
+def test_window_skips_shards_it_does_not_reach(monkeypatch):
+    """With a window narrower than a shard only the neighbouring shard travels (one step), and
+    the kernel calls that run are exactly the visible pairs; the result matches the
+    reference."""
+    ring_size, seq = 4, 128
+    mesh = make_mesh((ring_size,), ("ring",))
+    q, k, v, do = random_inputs(jax.random.PRNGKey(21), 1, seq, seq, 2, 1, 32, F32)
+    dlse = _dlse(jax.random.PRNGKey(22), q)
+    options = dict(causal=True, window=(20, None))
+    fn = _ring_fn(mesh, "contiguous", ring_size)
+    jaxpr = str(jax.make_jaxpr(lambda q, k, v: fn(q, k, v, **options))(q, k, v))
+    # Forward: K, V move one step; backward: K, V again and the pair's dK, dV back home.
+    assert jaxpr.count("ppermute") == 2, jaxpr.count("ppermute")
+    calls = _count_kernel_calls(monkeypatch, "ring")
+    got = outputs_and_grads(fn, q, k, v, do, dlse, options)
+    jax.block_until_ready(got)
+    jax.effects_barrier()
+    ref = outputs_and_grads(pf.reference_attention, q, k, v, do, dlse, options)
+    compare_results("window", got, ref, F32)
+    local = seq // ring_size
+    # Device 0 sees its own shard only; every other device also its left neighbour's.
+    want = collections.Counter({(d, local, local): 1 + (d > 0) for d in range(ring_size)})
+    assert calls["forward"] == want and calls["backward"] == want
+
+
+# ================================================================================================
+# The static plan, the backend choice and the byte model (no kernel runs)
+# ================================================================================================
+
+
+def _plan(layout, causal, window=None, *, size=4, dtype=F32, head_dim=32, backend="auto",
+          interpret=True):
+    q = jax.ShapeDtypeStruct((1, 64, 4, head_dim), dtype)
+    k = jax.ShapeDtypeStruct((1, 64, 2, head_dim), dtype)
+    return ring._plan(q, k, k, axis_name="ring", axis_size=size, where="global", causal=causal,
+                      scale=None, softcap=None, window=window, causal_alignment="top_left",
+                      layout=layout, strategy="ring", backend=backend, precision=None,
+                      config=None, interpret=interpret, ids={name: None for name in ID_OPTIONS})
+
+
+def _calls(plan):
+    return [[[(c.rows, c.cols, c.spec.mask) for c in kind] for kind in step.kinds]
+            for step in plan.steps]
+
+
+def test_plan_zigzag_causal_is_one_call_per_pair():
+    """The zig-zag diagonal is one causal call over both pieces; every other step has two
+    kinds: an earlier device's first piece (all rows) and a later device (second rows)."""
+    plan = _plan("zigzag", True)
+    assert [s.shift for s in plan.steps] == [0, 1, 2, 3]
+    (diagonal,), = plan.steps[0].kinds
+    assert (diagonal.rows, diagonal.cols) == ((0, 16), (0, 16))
+    assert diagonal.spec.mask == MaskSpec(16, 16, 0, None, 0)
+    for step in plan.steps[1:]:
+        kinds = {tuple((c.rows, c.cols, c.spec.mask.has_position_mask) for c in kind)
+                 for kind in step.kinds}
+        assert kinds == {(((0, 16), (0, 8), False),), (((8, 16), (0, 16), False),)}
+        # Device i holds an earlier shard exactly when shift <= i.
+        assert [step.kinds[k][0].rows for k in step.table] == [
+            (0, 16) if step.shift <= i else (8, 16) for i in range(4)]
+
+
+def test_plan_window_positions():
+    """Each call's mask is the window in natural positions, shifted by the distance of its
+    pieces; steps no device needs are dropped, and a pair with no visible key has no call."""
+    plan = _plan("contiguous", False, (10, 12))  # local length 16: reaches one shard
+    assert [s.shift for s in plan.steps] == [0, 1, 3]  # shift 2: every pair is too far
+    _, (skip, earlier), (later, skip2) = _calls(plan)[0], _calls(plan)[1], _calls(plan)[2]
+    assert skip == [] and skip2 == []
+    assert earlier == [((0, 16), (0, 16), MaskSpec(16, 16, 16, 10, None))]
+    assert later == [((0, 16), (0, 16), MaskSpec(16, 16, -16, None, 12))]
+    assert plan.steps[1].table == (0, 1, 1, 1) and plan.steps[2].table == (0, 0, 0, 1)
+    # A window wider than the sequence is no mask at all: one unmasked call per step.
+    wide = _plan("zigzag", False, (1000, 1000))
+    assert all(len(s.kinds) == 1 and not s.kinds[0][0].spec.mask.has_position_mask
+               for s in wide.steps)
+
+
+def test_plan_backends(monkeypatch):
+    """Calls choose their backends as flash_attention does: on sm_90 the guarded Mosaic
+    kernels; Triton for what the Mosaic kernels do not take (float32, a head_dim), for a
+    block they refuse under backend="mosaic", and everywhere in interpret mode."""
+    monkeypatch.setattr(attention, "_is_sm90", lambda: True)
+    compiled = dict(interpret=False, dtype=jnp.bfloat16, head_dim=64)
+
+    def backends(plan):
+        return {(c.forward, c.backward) for s in plan.steps for kind in s.kinds for c in kind}
+
+    assert backends(_plan("zigzag", True, **compiled)) == {("guarded", "guarded")}
+    assert backends(_plan("zigzag", True, **compiled, backend="mosaic")) == {("mosaic", "mosaic")}
+    assert backends(_plan("zigzag", True, **compiled, backend="triton")) == {("triton", "triton")}
+    assert backends(_plan("zigzag", True, **dict(compiled, head_dim=48))) == {("triton",
+                                                                               "triton")}
+    assert backends(_plan("zigzag", True)) == {("triton", "triton")}
+    # A block the Mosaic forward refuses (here: any with a position offset) runs on Triton.
+    real = mosaic_forward.unsupported_reason
+    monkeypatch.setattr(mosaic_forward, "unsupported_reason", lambda spec, *a, **kw: (
+        "offset" if spec.mask.offset else real(spec, *a, **kw)))
+    plan = _plan("contiguous", False, (10, 12), **compiled, backend="mosaic")
+    chosen = {c.spec.mask.offset == 0: (c.forward, c.backward)
+              for s in plan.steps for kind in s.kinds for c in kind}
+    assert chosen == {True: ("mosaic", "mosaic"), False: ("triton", "triton")}
+    with pytest.raises(ValueError, match="backend='mosaic' cannot serve"):
+        _plan("zigzag", True, interpret=False, backend="mosaic")  # float32
+
+
+def test_strategy_byte_model():
+    """The written-down counts, and the rule: the all-gather for GQA with few K/V heads; the
+    ring with as many K/V heads as q heads, on many devices, or under a window that lets it
+    stop early."""
+    shape = dict(seq=8192, head_dim=128, dtype=jnp.bfloat16, batch=1)
+    shard = 1 * 4096 * 8 * 128 * 2  # one local K (or V) shard: seq / 2 x 8 heads x 128 x 2 B
+    b = ring_plan.strategy_bytes(devices=2, q_heads=64, kv_heads=8, **shape)
+    assert b == {"ring": 6 * shard, "allgather": 4 * shard, "allgather_extra": 2 * shard,
+                 "query": 8 * shard}
+    assert pf.ring.strategy_bytes is ring_plan.strategy_bytes
+    choose = ring_plan.choose_strategy
+    assert choose(devices=2, q_heads=64, kv_heads=8, **shape) == "allgather"
+    assert choose(devices=5, q_heads=64, kv_heads=8, **shape) == "allgather"
+    assert choose(devices=8, q_heads=64, kv_heads=8, **shape) == "ring"   # 14 shards > q
+    assert choose(devices=2, q_heads=16, kv_heads=16, **shape) == "ring"  # MHA
+    assert choose(devices=4, q_heads=64, kv_heads=8, ring_steps=1, **shape) == "ring"
+    assert choose(devices=1, q_heads=64, kv_heads=8, **shape) == "ring"   # nothing moves
+    assert ring_plan.strategy_bytes(devices=4, q_heads=8, kv_heads=8, ring_steps=1,
+                                    **shape)["ring"] == 6 * (shard // 2)
