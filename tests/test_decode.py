@@ -101,10 +101,26 @@ CASES = [
 ]
 
 
+NEEDS_HOPPER = pytest.mark.skipif(not IS_HOPPER, reason="the Mosaic GPU kernels run compiled on "
+                                                         "sm_90")
+BACKENDS = [pytest.param("triton"), pytest.param("mosaic", marks=NEEDS_HOPPER)]
+
+
+def run_backend(backend, *args, **kwargs):
+    """decode_attention on one backend; a case the Mosaic kernel does not serve is skipped."""
+    try:
+        return pf.decode_attention(*args, backend=backend, **kwargs)
+    except ValueError as e:
+        if backend == "mosaic" and "cannot serve" in str(e):
+            pytest.skip(str(e))
+        raise
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype,batch,q_len,q_heads,kv_heads,head_dim,max_len,page_size,"
                          "lengths,options", CASES)
 def test_matches_reference(dtype, batch, q_len, q_heads, kv_heads, head_dim, max_len, page_size,
-                           lengths, options):
+                           lengths, options, backend):
     key = jax.random.PRNGKey(sum(lengths) + q_len)
     kq, kc, ks = jax.random.split(key, 3)
     q = _normal(kq, (batch, q_len, q_heads, head_dim), dtype)
@@ -119,8 +135,8 @@ def test_matches_reference(dtype, batch, q_len, q_heads, kv_heads, head_dim, max
     options = dict(options)
     if options.pop("sinks", False):
         options["sinks"] = 2.0 * jax.random.normal(ks, (q_heads,), jnp.float32)
-    out, lse = pf.decode_attention(q, k_cache, v_cache, kv_lengths=kv_lengths, block_table=table,
-                                   return_lse=True, **options)
+    out, lse = run_backend(backend, q, k_cache, v_cache, kv_lengths=kv_lengths,
+                           block_table=table, return_lse=True, **options)
     assert out.shape == q.shape and lse.shape == (batch, q_heads, q_len)
     assert lse.dtype == jnp.float32
     options.pop("num_splits", None)
@@ -290,12 +306,13 @@ def test_auto_runs_triton_in_interpret_mode(monkeypatch):
     decode._decode_fn.cache_clear()
     q = _normal(jax.random.PRNGKey(10), (1, 1, 2, 16), jnp.float32)
     k, v, *_ = make_cache(jax.random.PRNGKey(11), 1, 64, 2, 16, jnp.float32)
-    pf.decode_attention(q, k, v, kv_lengths=jnp.array([5], jnp.int32), num_splits=1)
+    pf.decode_attention(q, k, v, kv_lengths=jnp.array([5], jnp.int32), num_splits=1,
+                        interpret=True)
     decode._decode_fn.cache_clear()
     assert chosen == ["triton"]
 
 
-@pytest.mark.skipif(not IS_HOPPER, reason="the Mosaic GPU kernels run compiled on sm_90")
+@NEEDS_HOPPER
 @pytest.mark.parametrize("page_size", [None, 64], ids=["contiguous", "paged"])
 @pytest.mark.parametrize("q_len,q_heads", [(1, 8), (4, 16)])
 def test_mosaic_matches_reference(page_size, q_len, q_heads):
@@ -306,6 +323,15 @@ def test_mosaic_matches_reference(page_size, q_len, q_heads):
     q = _normal(kq, (batch, q_len, q_heads, d), dtype)
     k_cache, v_cache, table, k, v = make_cache(kc, batch, max_len, kv_heads, d, dtype, page_size)
     lengths = jnp.array([1000, 131], jnp.int32)
-    out, lse = pf.decode_attention(q, k_cache, v_cache, kv_lengths=lengths, block_table=table,
-                                   return_lse=True, backend="mosaic")
+    out, lse = run_backend("mosaic", q, k_cache, v_cache, kv_lengths=lengths,
+                           block_table=table, return_lse=True)
     check(out, lse, *reference(q, k, v, lengths), dtype)
+
+
+@pytest.mark.skipif(IS_HOPPER, reason="on sm_90 the Mosaic kernel can run")
+def test_forced_mosaic_off_hopper_raises():
+    q = jnp.zeros((1, 1, 2, 64), jnp.bfloat16)
+    cache = jnp.zeros((1, 64, 2, 64), jnp.bfloat16)
+    with pytest.raises(ValueError, match="backend='mosaic'"):
+        pf.decode_attention(q, cache, cache, kv_lengths=jnp.array([3], jnp.int32),
+                            backend="mosaic", interpret=False)
