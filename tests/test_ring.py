@@ -554,3 +554,113 @@ def test_strategy_byte_model():
     assert choose(devices=1, q_heads=64, kv_heads=8, **shape) == "ring"   # nothing moves
     assert ring_plan.strategy_bytes(devices=4, q_heads=8, kv_heads=8, ring_steps=1,
                                     **shape)["ring"] == 6 * (shard // 2)
+
+
+# ================================================================================================
+# Memory and overlap, read off the per-device program
+# ================================================================================================
+
+
+def _per_device_jaxprs(strategy, layout="zigzag", causal=True, shape=(1, 256, 4, 2, 32)):
+    """The jaxprs of one device's forward and backward passes (ring_steps), traced inside a
+    shard_map over 4 devices: (forward, backward)."""
+    ring_size = 4
+    batch, seq, q_heads, kv_heads, head_dim = shape
+    local = seq // ring_size
+    q = jax.ShapeDtypeStruct((batch, seq, q_heads, head_dim), F32)
+    k = jax.ShapeDtypeStruct((batch, seq, kv_heads, head_dim), F32)
+    plan = ring._plan(q, k, k, axis_name="ring", axis_size=ring_size, where="global",
+                      causal=causal, scale=None, softcap=None, window=None,
+                      causal_alignment="top_left", layout=layout, strategy=strategy,
+                      backend="auto", precision=None, config=None, interpret=True,
+                      ids={name: None for name in ID_OPTIONS})
+    mesh = make_mesh((ring_size,), ("ring",))
+    tokens, rows = P(None, "ring", None, None), P(None, None, "ring")
+
+    def kv_of(k, v):
+        kv = (k, v, None)
+        return (kv, None) if strategy == "ring" else (None, ring_steps._gather(plan, kv))
+
+    def forward(q, k, v):
+        kv, gathered = kv_of(k, v)
+        return ring_steps._forward(plan, q, kv, None, gathered)
+
+    def backward(q, k, v, out, lse, d_out, d_lse):
+        kv, gathered = kv_of(k, v)
+        return ring_steps._backward(plan, q, kv, out, lse, None, d_out, d_lse, gathered)
+
+    def body(fn, in_specs, out_specs, *args):
+        mapped = jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
+                               check_vma=False)
+        eqn, = [e for e in jax.make_jaxpr(mapped)(*args).eqns if e.primitive.name == "shard_map"]
+        return eqn.params["jaxpr"]
+
+    lse = jax.ShapeDtypeStruct((batch, q_heads, seq), F32)
+    fwd = body(forward, (tokens,) * 3, (tokens, rows), q, k, k)
+    bwd = body(backward, (tokens,) * 4 + (rows, tokens, rows), (tokens,) * 3, q, k, k, q, lse,
+               q, lse)
+    return fwd, bwd, local
+
+
+def _avals(jaxpr):
+    """Shapes of every value the program makes outside the kernels' own bodies."""
+    import jax.extend
+    for eqn in jaxpr.eqns:
+        yield from (v.aval.shape for v in eqn.outvars if hasattr(v.aval, "shape"))
+        if eqn.primitive.name == "pallas_call":
+            continue
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            yield from _avals(sub)
+
+
+def _runs_kernel(eqn) -> bool:
+    import jax.extend
+    if eqn.primitive.name == "pallas_call":
+        return True
+    return any(_runs_kernel(e) for sub in jax.extend.core.jaxprs_in_params(eqn.params)
+               for e in sub.eqns)
+
+
+@pytest.mark.parametrize("strategy", ["ring", "allgather"])
+def test_no_full_length_kv_and_no_score_matrix(strategy):
+    """Outside the kernels no value holds a [seq_q, seq_kv] block, and the ring never holds more
+    than a shard's length of anything: full-length K/V exist only in the all-gather."""
+    fwd, bwd, local = _per_device_jaxprs(strategy)
+    head_dim = 32
+    for shape in [*_avals(fwd), *_avals(bwd)]:
+        assert sum(d > head_dim for d in shape) <= 1, shape   # one sequence axis at most
+        if strategy == "ring":
+            assert max(shape, default=0) <= local, shape
+
+
+def test_ring_sends_overlap_the_kernels():
+    from jax.extend.core import Literal
+
+    """Program order of the ring: each step's K/V send is issued before the step's kernels and
+    consumed by the next step; in the backward each pair's dK/dV leave after its kernels and
+    are added at home only after the next step's kernels."""
+    fwd, bwd, _ = _per_device_jaxprs("ring")
+
+    def trace(jaxpr):
+        sent, events = set(), []
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "ppermute":
+                sent.update(eqn.outvars)
+                events.append("send")
+            elif _runs_kernel(eqn):
+                events.append("kernel")
+            elif any(v in sent for v in eqn.invars if not isinstance(v, Literal)):
+                events.append("use")
+        # Consecutive sends (K and V, dK and dV) and uses count once.
+        return [e for i, e in enumerate(events)
+                if i == 0 or events[i - 1] != e or e == "kernel"]
+
+    # Zig-zag causal on 4 devices: 4 steps; the kernels of steps 1-3 read the shard received.
+    assert trace(fwd) == ["send", "kernel", "send", "kernel", "send", "kernel", "kernel"]
+    assert trace(bwd) == [
+        "send", "kernel",            # step 0 (own shard): step 1's K/V leave first
+        "send", "kernel",            # step 1: step 2's K/V leave, then step 1's kernels
+        "send", "kernel", "use",     # step 1's dK/dV and step 3's K/V leave; step 2's kernels,
+                                     # and only then step 1's dK/dV are added at home
+        "send", "kernel", "use",     # step 2's dK/dV leave; step 3; step 2's added
+        "send", "use"]               # step 3's dK/dV go home last
