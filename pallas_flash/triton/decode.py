@@ -7,8 +7,8 @@ sequence's kv_length, with the online softmax of forward.py, in natural-log logi
     m_j = max(m_{j-1}, rowmax(U_j)),  l_j = l_{j-1} 2^((m_{j-1} - m_j) c) + rowsum(2^((U_j - m_j) c))
     acc_j = acc_{j-1} 2^((m_{j-1} - m_j) c) + 2^((U_j - m_j) c) V_j
 and writes O = acc / l and lse = m + ln(l), float32 (an empty chunk: O = 0, lse = -inf).
-A paged cache is read one page slice at a time: the key block never spans two pages, and its
-physical page comes from the block table.
+A paged cache is read by a gather: each key row of a block takes its physical page from the
+block table, so a block may span several pages smaller than itself.
 
 Combine ("pallas_flash_decode_combine"). Grid: (batch, kv_heads). Merges the splits of one kv
 head exactly: lse = log sum_s exp(lse_s), O = sum_s exp(lse_s - lse) O_s, with the weights taken
@@ -30,7 +30,7 @@ from pallas_flash.triton import common
 
 __all__ = ["partial", "combine", "unsupported_reason"]
 
-# Keys per block: a power of two that divides every chunk (decode.CHUNK_ALIGN) and every page.
+# Keys per block: a power of two that divides every chunk (decode.CHUNK_ALIGN).
 BLOCK_KV = 64
 _LOG2E = math.log2(math.e)
 
@@ -39,10 +39,6 @@ def unsupported_reason(plan) -> str | None:
     """Triton serves every plan that validation lets through."""
     del plan
     return None
-
-
-def _block_kv(plan) -> int:
-    return BLOCK_KV if plan.page_size is None else min(BLOCK_KV, plan.page_size)
 
 
 def _positions(start, block: int):
@@ -97,9 +93,18 @@ def _partial_kernel(*refs, plan, rows_pad: int, d_pad: int, block: int):
         if table_ref is None:
             view = ref.at[pl.ds(start, block), pl.ds(jnp.int32(0), d_pad)]
         else:
-            page = lax.div(start, jnp.int32(plan.page_size))
-            offset = start - page * plan.page_size
-            view = ref.at[table_ref[page], pl.ds(offset, block), pl.ds(jnp.int32(0), d_pad)]
+            # A gather: each key row finds its own physical page, so a block may span pages
+            # smaller than itself. Rows past `end` may index past the table: masked too.
+            page = lax.div(rows, jnp.int32(plan.page_size))
+            ok = rows < end
+            phys = (plgpu.load(table_ref.at[page], mask=ok, other=0) if masked
+                    else plgpu.load(table_ref.at[page]))
+            # Array indices on every axis (interpret mode gathers no mix of slices and arrays).
+            offset = rows - page * plan.page_size
+            view = ref.at[phys[:, None], offset[:, None],
+                          jnp.arange(d_pad, dtype=jnp.int32)[None, :]]
+        if mask is None:  # the lowering takes `other` only with a mask
+            return plgpu.load(view)
         return plgpu.load(view, mask=mask, other=0.0)
 
     chunk_end = jnp.minimum((split + 1) * plan.chunk, kv_len)
@@ -146,7 +151,7 @@ def partial(plan, q_packed, k_cache, v_cache, kv_lengths, block_table):
     """Per-split (O, lse); shapes and meaning in pallas_flash.decode.partial_contract."""
     rows_pad = max(common.MIN_TILE, pl.next_power_of_2(plan.rows))
     d_pad = common.padded_head_dim(plan.head_dim)
-    block = _block_kv(plan)
+    block = BLOCK_KV
     stats = common.accumulator_dtype(plan.dtype)
     grid = (plan.batch, plan.kv_heads, plan.num_splits)
     q_spec = pl.BlockSpec((None, None, plan.rows, d_pad), lambda b, h, s: (b, h, 0, 0))
