@@ -58,8 +58,8 @@ def _run(dtype, batch, q_len, q_heads, kv_heads, head_dim, max_len, page_size, l
 
 CASES = [
     # (dtype, batch, q_len, q_heads, kv_heads, head_dim, max_len, page_size, lengths, options)
-    pytest.param(jnp.bfloat16, 2, 1, 8, 2, 128, 1003, None, [1003, 131], dict(),
-                 id="bf16-contiguous-gqa4-q1-odd-max-len"),
+    pytest.param(jnp.bfloat16, 2, 1, 8, 2, 128, 1000, None, [1000, 131], dict(),
+                 id="bf16-contiguous-gqa4-q1-max-len-past-last-block"),
     pytest.param(jnp.float16, 3, 4, 16, 2, 128, 2048, 16, [2048, 777, 5], dict(sinks=True),
                  id="f16-paged16-gqa8-q4-sinks"),
     pytest.param(jnp.bfloat16, 2, 4, 8, 2, 64, 1536, 256, [1500, 300], dict(softcap=20.0),
@@ -153,6 +153,7 @@ def test_default_tiles_fit(head_dim, rows, page_size):
 @pytest.mark.parametrize("changes,match", [
     (dict(dtype=jnp.dtype(jnp.float32)), "dtype float32"),
     (dict(head_dim=96), "head_dim 96"),
+    (dict(max_len=1003, chunk=1024, num_splits=1), "max_len 1003 is not a multiple of 8"),
 ])
 def test_unsupported_reason(changes, match):
     assert match in mosaic.unsupported_reason(_plan(**changes))

@@ -5,11 +5,12 @@ softmax-normalised O (float32 [batch, kv_heads, num_splits, rows, head_dim]) and
 lse (float32 [batch, kv_heads, num_splits, rows]); the caller merges the splits.
 
 Grid: (row tile * num_splits + split, kv head, batch). A CTA owns `compute_wgs` 64-row pieces
-of the packed query rows (one wgmma M tile each; the padding rows past plan.rows are read as
-zeros by the TMA and never stored, so the tensor cores' spare rows cost no bandwidth) and one
-copy warpgroup that streams the split's K and V blocks of `block_kv` keys through `stages`
-shared-memory slots. Decoding is bandwidth-bound, so the slots are many and small: enough
-bytes stay in flight to cover the memory latency at one CTA per SM.
+of the packed query rows (one wgmma M tile each; Q's rows are zero-padded to whole pieces and
+only rows below plan.rows are stored, so the tensor cores' spare rows cost no bandwidth) and
+one copy warpgroup that streams the split's K and V blocks of `block_kv` keys through `stages`
+shared-memory slots. Decoding is bandwidth-bound: the tiles keep about 128 KB of K / V in
+flight per SM, in two CTAs per SM where that fits half the shared memory (one CTA's softmax
+then overlaps the other's copies), else in one.
 
 Blocks: contiguous caches are cut into block_kv rows at position j * block_kv. Paged caches
 read one page per copy: a block of several pages takes one copy per page into consecutive
@@ -121,8 +122,11 @@ def unsupported_reason(plan, tiles: DecodeTiles | None = None) -> str | None:
                        % min(plan.page_size, tiles.block_kv)):
         return (f"mosaic decode: page_size {plan.page_size} and block_kv {tiles.block_kv} do not "
                 "tile each other")
-    if plan.paged and plan.page_size % 8:
-        return f"mosaic decode: page_size {plan.page_size} is not a multiple of 8"
+    if not plan.paged and plan.max_len % 8:
+        # Mosaic GPU's TMA takes the cache's sequence axis in whole 8-row tiles, and a cache
+        # is never copied to pad it.
+        return (f"mosaic decode: a contiguous cache's max_len {plan.max_len} is not a multiple "
+                "of 8")
     smem = tiles.smem_bytes(plan.head_dim, dtype.itemsize)
     if smem > SMEM_LIMIT:
         return (f"mosaic decode: tiles {tiles} need {smem} bytes of shared memory at head_dim "
@@ -177,7 +181,8 @@ def _kernel(*refs, plan, tiles: DecodeTiles, n_tiles: int):
         row0 = (tile * wgs + wg) * WG_ROWS
         my_q = q_smem.at[wg]
         plgpu.copy_gmem_to_smem(
-            q_ref.at[batch, kv_head, pl.ds(row0, WG_ROWS)], my_q, q_loaded.at[wg])
+            q_ref.at[batch * plan.kv_heads + kv_head, pl.ds(row0, WG_ROWS)], my_q,
+            q_loaded.at[wg])
 
         # Blocks [full_lo, full_hi) hold only keys every query row sees: inside the split,
         # below kv_len, at or before query 0's position, at or after the last query's window.
@@ -260,20 +265,31 @@ def _kernel(*refs, plan, tiles: DecodeTiles, n_tiles: int):
         out = jnp.where(_bcast_rows(seen, acc.shape),
                         acc / _bcast_rows(jnp.where(seen, l, 1.0), acc.shape), 0.0)
         lse_smem.at[wg][...] = jnp.where(m == -jnp.inf, 0.0, m) * logit_scale + jnp.log(l)
-        # Rows past plan.rows fall outside the outputs: the TMA drops them. O leaves in column
-        # pieces through one float32 staging buffer (head_dim 256 fits no larger).
+        # Every store stays inside the outputs: whole 64-row pieces, then the last piece's
+        # rows alone (a TMA box past the rows axis would reach the next cell's rows). O leaves
+        # in column pieces through one float32 staging buffer (head_dim 256 fits no larger).
+        cell_out = (batch * plan.kv_heads + kv_head) * n_splits + split
         width = min(head_dim, _O_COLS)
-        for piece in range(head_dim // width):
-            if piece:
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-            cols = slice(piece * width, (piece + 1) * width)
-            o_smem.at[wg][...] = out if width == head_dim else out[:, cols]
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(
-                o_smem.at[wg], o_ref.at[batch, kv_head, split, pl.ds(row0, WG_ROWS),
-                                        pl.ds(piece * width, width)])
-        plgpu.copy_smem_to_gmem(lse_smem.at[wg],
-                                lse_ref.at[batch, kv_head, split, pl.ds(row0, WG_ROWS)])
+
+        def store(n: int):
+            for piece in range(head_dim // width):
+                if piece:
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                cols = slice(piece * width, (piece + 1) * width)
+                o_smem.at[wg][...] = out if width == head_dim else out[:, cols]
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(
+                    o_smem.at[wg, pl.ds(0, n)],
+                    o_ref.at[cell_out, pl.ds(row0, n), pl.ds(piece * width, width)])
+            n_lse = -n % 4 + n   # the lse rows are padded to a multiple of 4 (partial)
+            plgpu.copy_smem_to_gmem(lse_smem.at[wg, pl.ds(0, n_lse)],
+                                    lse_ref.at[cell_out, pl.ds(row0, n_lse)])
+
+        whole, rest_rows = divmod(plan.rows, WG_ROWS)
+        if whole:
+            pl.when(tile * wgs + wg < whole)(lambda: store(WG_ROWS))
+        if rest_rows:
+            pl.when(tile * wgs + wg == whole)(lambda: store(rest_rows))
         plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == wgs)
@@ -341,8 +357,10 @@ def partial(plan, q_packed, k_cache, v_cache, kv_lengths, block_table, *,
     ]
     if plan.interpret:
         scratch.append(plgpu.SMEM((wgs, WG_ROWS, tiles.block_kv), dtype))
-    out_type = (jax.ShapeDtypeStruct((batch, kv_heads, splits, rows, head_dim), jnp.float32),
-                jax.ShapeDtypeStruct((batch, kv_heads, splits, lse_rows), jnp.float32))
+    # One leading axis per (batch, kv head, split) cell: each store is then a plain 2-D box.
+    cells = batch * kv_heads * splits
+    out_type = (jax.ShapeDtypeStruct((cells, rows, head_dim), jnp.float32),
+                jax.ShapeDtypeStruct((cells, lse_rows), jnp.float32))
     call = plgpu.kernel(
         functools.partial(_kernel, plan=plan, tiles=tiles, n_tiles=n_tiles),
         out_type=out_type,
@@ -355,10 +373,16 @@ def partial(plan, q_packed, k_cache, v_cache, kv_lengths, block_table, *,
         interpret=plgpu.InterpretGPUParams() if plan.interpret else None,
         kernel_name=KERNEL_NAME,
     )
-    args = [q_packed, k_cache, v_cache, kv_lengths.astype(jnp.int32)]
+    # Q's rows padded to whole 64-row pieces (a few KB, fused into the packing by XLA), so
+    # every Q load is in bounds too; the padding rows are never stored.
+    q = jnp.pad(q_packed, ((0, 0), (0, 0), (0, n_tiles * wgs * WG_ROWS - rows), (0, 0)))
+    q = q.reshape(batch * kv_heads, n_tiles * wgs * WG_ROWS, head_dim)
+    args = [q, k_cache, v_cache, kv_lengths.astype(jnp.int32)]
     if plan.paged:
         args.append(block_table.astype(jnp.int32))
     o_part, lse_part = call(*args)
+    o_part = o_part.reshape(batch, kv_heads, splits, rows, head_dim)
+    lse_part = lse_part.reshape(batch, kv_heads, splits, lse_rows)
     if lse_rows != rows:
         lse_part = lse_part[..., :rows]
     return o_part, lse_part
