@@ -10,7 +10,7 @@ import sys
 
 import jax
 
-from pallas_flash.bench import cases, cold_start, memory, report
+from pallas_flash.bench import cases, cold_start, decode, memory, report
 from pallas_flash.bench.impls import DEFAULT_IMPLS, IMPLS
 from pallas_flash.bench.plots import plot_memory, plot_speed
 from pallas_flash.bench.timing import run_case
@@ -56,6 +56,25 @@ def build_parser() -> argparse.ArgumentParser:
                         "empty and warm")
     p.add_argument("--cold-start-steps", type=int, default=10,
                    help="steps each --cold-start subprocess runs, at least 3 (default 10)")
+    dec = p.add_argument_group("decode (--decode)")
+    dec.add_argument("--decode", action="store_true",
+                     help="instead: decode_attention over K/V caches (contiguous and paged) "
+                          "against XLA, cuDNN and tokamax, as bandwidth and as a fraction of "
+                          "the copy bandwidth measured in the same run")
+    dec.add_argument("--decode-cases", default=None,
+                     help="'full' (default: batch 1,4,16,64 x context 4k,16k,32k,128k x GQA "
+                          "32:8 and 64:8, head_dim 128), 'smoke', or a comma list of "
+                          "BATCHxCONTEXTxHQxHKVxD, e.g. 4x32kx32x8x128")
+    dec.add_argument("--decode-q-lens", default=None,
+                     help="new tokens per sequence, comma list (default 1,4)")
+    dec.add_argument("--decode-page-size", type=int, default=None,
+                     help=f"keys per page of the paged cache (default {decode.PAGE_SIZE}; "
+                          f"--smoke {decode.SMOKE_PAGE_SIZE})")
+    dec.add_argument("--decode-budget", type=float, default=540.0,
+                     help="seconds the cases may take: no cache shape is started that would "
+                          "likely end later (default 540)")
+    dec.add_argument("--decode-copy-mib", type=int, default=None,
+                     help="MiB of the copy-bandwidth buffer (default 4096 on a GPU, 64 else)")
     p.add_argument("--child-timeout", type=float, default=900.0,
                    help="seconds per --memory or --cold-start subprocess (default 900)")
     p.add_argument("--smoke", action="store_true",
@@ -197,6 +216,33 @@ def run_cold_start(args, parser, impls, meta, stamp, env) -> dict:
     return result
 
 
+def run_decode(args, parser, explicit_impls, meta, stamp) -> dict:
+    for name in ("iters_fwd", "iters_fwdbwd", "ref_rows", "flops"):
+        meta.pop(name)  # the speed benchmark's settings, unused here
+    meta["iters"] = args.iters
+    try:
+        groups = decode.make_groups(decode.parse_cases(args.decode_cases, args.smoke))
+        q_lens = [int(x) for x in (args.decode_q_lens or "1,4").split(",") if x.strip()]
+    except (argparse.ArgumentTypeError, ValueError) as e:
+        parser.error(str(e))
+    if not groups or not q_lens or args.decode_page_size < 1:
+        parser.error("--decode needs at least one case and q_len, and a positive page size")
+    args.decode_q_lens = q_lens
+    stem = report.claim_stem(args.out, "decode", stamp)
+    result = {"meta": meta, "complete": False}
+
+    def save(section):
+        result["decode"] = section
+        return report.write_json(result, args.out, stem)
+
+    section = decode.run_decode(args, groups, decode.decode_impls(explicit_impls), save)
+    result["complete"] = not section["skipped"]
+    print(f"json: {save(section)}\n")
+    print(report.summary_line(meta))
+    print(report.format_decode_table(section))
+    return result
+
+
 def run_bench(args, parser, impls, explicit_impls, meta, stamp) -> dict:
     key = jax.random.key(args.seed)
     plan = [(c, impls, jax.random.fold_in(key, i))
@@ -242,8 +288,8 @@ def main(argv: list[str] | None = None) -> dict:
         return main_report(args)
     if args.check:
         parser.error("--check goes with --report")
-    if args.cold_start and args.memory:
-        parser.error("--cold-start and --memory are separate runs")
+    if sum((args.cold_start, args.memory, args.decode)) > 1:
+        parser.error("--cold-start, --memory and --decode are separate runs")
     if args.cold_start_steps < 3:
         parser.error("--cold-start-steps must be at least 3")
 
@@ -254,6 +300,12 @@ def main(argv: list[str] | None = None) -> dict:
         os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
         if args.causal is None:
             args.causal = "yes"
+    if args.decode:
+        # Each call is a few milliseconds at most: few iterations, many shapes to compile.
+        if args.iters is None:
+            args.iters = 1 if args.smoke else 10
+        if args.decode_page_size is None:
+            args.decode_page_size = decode.SMOKE_PAGE_SIZE if args.smoke else decode.PAGE_SIZE
     resolve_defaults(args)
     explicit_impls = parse_impls(args.impls, parser)
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
@@ -262,6 +314,8 @@ def main(argv: list[str] | None = None) -> dict:
     if args.cold_start:
         impls = explicit_impls or cold_start.default_impls(meta["backend"])
         return run_cold_start(args, parser, impls, meta, stamp, env)
+    if args.decode:
+        return run_decode(args, parser, explicit_impls, meta, stamp)
     impls = explicit_impls or list(DEFAULT_IMPLS)
     if args.memory:
         return run_memory_sweep(args, impls, meta, stamp)

@@ -8,8 +8,8 @@ Markdown and rewrites only the marked blocks of the docs, so that no table is ed
     <!-- /bench-report:speed -->
 
 Blocks: ``headline`` (a few shapes, pallas_flash against cuDNN, for README.md), ``speed``
-(every row of the benchmark JSONs), ``memory`` (the memory sweep) and ``cold-start`` (process
-start to the third training step). The opening marker keeps the files it was generated from, so
+(every row of the benchmark JSONs), ``memory`` (the memory sweep), ``cold-start`` (process
+start to the third training step) and ``decode`` (decode attention's bandwidth). The opening marker keeps the files it was generated from, so
 ``--report`` without files regenerates every block from the files it names.
 """
 
@@ -21,8 +21,9 @@ import re
 import subprocess
 
 from pallas_flash.bench.cases import PLAIN, seq_label
+from pallas_flash.bench.decode import LAYOUTS
 
-BLOCKS = ("headline", "speed", "memory", "cold-start")
+BLOCKS = ("headline", "speed", "memory", "cold-start", "decode")
 _BLOCK_RE = re.compile(r"<!-- bench-report:(?P<name>[a-z-]+)(?P<attrs>[^>]*?)\s*-->\n?"
                        r"(?P<body>.*?)<!-- /bench-report:(?P=name) -->", re.S)
 # (case, causal) rows of the headline table, when the results hold them.
@@ -338,11 +339,18 @@ def markdown_memory(sources: list[tuple[str, dict]]) -> str:
 _CACHE_LABEL = {"none": "off", "fill": "empty", "warm": "warm"}
 
 
+def _not_measured(sources: list[tuple[str, dict]], key: str, what: str) -> str | None:
+    """The body of a block whose files hold no `key` section; None when one does."""
+    if any(key in data for _, data in sources):
+        return None
+    files = ", ".join(f"`{path}`" for path, _ in sources)
+    return f"Not measured yet: {files} holds no {what} run.\n"
+
+
 def markdown_cold_start(sources: list[tuple[str, dict]]) -> str:
+    if (empty := _not_measured(sources, "cold_start", "cold-start")) is not None:
+        return empty
     measured = [(path, data) for path, data in sources if "cold_start" in data]
-    if not measured:
-        files = ", ".join(f"`{path}`" for path, _ in sources)
-        return f"Not measured yet: {files} holds no cold-start run.\n"
     lines = []
     for path, data in measured:
         section = data["cold_start"]
@@ -380,11 +388,136 @@ def markdown_cold_start(sources: list[tuple[str, dict]]) -> str:
     return "\n".join(lines).rstrip("\n") + "\n"
 
 
+# --------------------------------------------------------------------------
+# Decode
+# --------------------------------------------------------------------------
+
+_DECODE_LABEL = {"xla": "XLA", "cudnn": "cuDNN", "tokamax": "tokamax"}
+# Targets of the decode kernels, as (label, predicate on our contiguous/paged row, threshold).
+_DECODE_TARGETS = (
+    ("at least 80% of the copy bandwidth at contexts of 16k and more",
+     lambda r: r["context"] >= 16384, 0.80),
+    ("at least 60% of the copy bandwidth at batch 1 with a 4k context",
+     lambda r: r["batch"] == 1 and r["context"] == 4096, 0.60),
+)
+
+
+def _us(r: dict | None) -> str:
+    if r is None:
+        return "–"
+    return f"{r['ms'] * 1e3:.1f}" if r["status"] == "ok" else r["status"]
+
+
+def _pct(x) -> str:
+    return "–" if x is None else f"{100 * x:.0f}%"
+
+
+def decode_table(section: dict) -> tuple[list[str], list[list[str]], list[str]]:
+    """(header, one row per case, notes) of a decode run: pallas_flash on the contiguous and the
+    paged cache, then every other implementation's time on the contiguous cache; the notes give
+    the failures and how many cases meet each target."""
+    rows = section["rows"]
+    at = {(r["q_heads"], r["kv_heads"], r["q_len"], r["batch"], r["context"], r["layout"],
+           r["impl"]): r for r in rows}
+    cases = sorted(dict.fromkeys((r["q_heads"], r["kv_heads"], r["q_len"], r["batch"],
+                                  r["context"]) for r in rows))
+    others = sorted({r["impl"] for r in rows} - {"pallas_flash"},
+                    key=lambda n: (_IMPL_ORDER.get(n, 9), n))
+    comparators = [n for n in others if not n.startswith("pallas_flash")]
+    header = (["GQA", "q_len", "batch", "context", "µs", "% of copy", "paged µs",
+               "paged % of copy", "paged / contiguous"]
+              + [f"{_DECODE_LABEL.get(n, n)} µs" for n in others] + ["× fastest other"])
+    table, faster = [], []
+    for case in cases:
+        ours, paged = (at.get((*case, layout, "pallas_flash")) for layout in LAYOUTS)
+        mine = ours["ms"] if ours and ours["status"] == "ok" else None
+        ran = [r["ms"] for n in comparators
+               if (r := at.get((*case, "contiguous", n))) and r["status"] == "ok"]
+        if mine and ran:
+            faster.append(min(ran) > mine)
+        table.append([f"{case[0]}:{case[1]}", str(case[2]), str(case[3]), seq_label(case[4]),
+                      _us(ours), _pct(ours and ours.get("frac_of_copy")), _us(paged),
+                      _pct(paged and paged.get("frac_of_copy")),
+                      _fmt(paged and paged.get("paged_over_contiguous"), ".2f", "–")]
+                     + [_us(at.get((*case, "contiguous", n))) for n in others]
+                     + [f"{min(ran) / mine:.2f}" if mine and ran else "–"])
+    notes = []
+    for name in ("pallas_flash", *others):
+        bad = [r for r in rows if r["impl"] == name and r["status"] != "ok"]
+        for status in dict.fromkeys(r["status"] for r in bad):
+            errors = list(dict.fromkeys(r["error"] for r in bad if r["status"] == status))
+            notes.append(f"{_DECODE_LABEL.get(name, name)}: {status} in "
+                         f"{sum(r['status'] == status for r in bad)} cases: "
+                         + "; ".join(errors[:2]) + (" (and others)" if len(errors) > 2 else ""))
+    ours_by_layout = {layout: [r for r in rows if r["impl"] == "pallas_flash"
+                               and r["layout"] == layout] for layout in LAYOUTS}
+    for label, where, floor in _DECODE_TARGETS:
+        counts = []
+        for layout, mine in ours_by_layout.items():
+            hit = [r for r in mine if where(r)]
+            if hit:
+                met = sum((r.get("frac_of_copy") or 0) >= floor for r in hit)
+                counts.append(f"{layout} {met} of {len(hit)}")
+        if counts:
+            notes.append(f"pallas_flash {label}: " + ", ".join(counts) + " cases")
+    if faster:
+        notes.append(f"pallas_flash faster than every comparator that ran: "
+                     f"{sum(faster)} of {len(faster)} contiguous cases")
+    if ours_by_layout["paged"]:
+        paged = ours_by_layout["paged"]
+        within = sum((r.get("paged_over_contiguous") or 9) <= 1.05 for r in paged)
+        notes.append(f"pallas_flash paged within 5% of contiguous: {within} of {len(paged)} "
+                     "cases")
+    if section.get("skipped"):
+        notes.append(f"not run (time budget): {len(section['skipped'])} cache shapes, from "
+                     + ", ".join(f"{g['batch']} × {seq_label(g['context'])}"
+                                 for g in section["skipped"][:3])
+                     + (" …" if len(section["skipped"]) > 3 else ""))
+    return header, table, notes
+
+
+def _copy_line(section: dict) -> str:
+    copy = section["copy"]
+    return (f"copy bandwidth {copy['gbps']:.0f} GB/s ({copy['what']}, "
+            f"{copy['bytes'] / 2**30:.2f} GiB moved in {copy['ms']:.3f} ms)")
+
+
+def format_decode_table(section: dict) -> str:
+    header, table, notes = decode_table(section)
+    widths = [max(len(c) for c in col) for col in zip(header, *table)]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in [header, *table]]
+    lines.insert(1, "-" * len(lines[0]))
+    return "\n".join([_copy_line(section), *lines, *notes])
+
+
+def markdown_decode(sources: list[tuple[str, dict]]) -> str:
+    if (empty := _not_measured(sources, "decode", "decode")) is not None:
+        return empty
+    lines = []
+    for path, data in [(p, d) for p, d in sources if "decode" in d]:
+        section, meta = data["decode"], data["meta"]
+        header, table, notes = decode_table(section)
+        timer = ("pipelined timer (median of 3 batches of {} calls)" if meta.get("timer")
+                 == "pipelined" else "per-call timer (median of {} calls)").format(
+                     meta.get("iters"))
+        lines += [f"Source: {_source_line(path, meta, False)[:-1]}, {timer}.", "",
+                  f"Measured in the same run: {_copy_line(section)}. Every sequence holds its "
+                  "whole context (kv_lengths = context); its q_len newest tokens attend "
+                  "bottom-right. µs: one call. % of copy: the K/V bytes read (batch · context · "
+                  "kv heads · head_dim · 2 · 2 bytes) over the time, against the copy "
+                  f"bandwidth. Paged: pages of {section['page_size']} keys in a shuffled "
+                  "order. × fastest other: the fastest other implementation's time on the "
+                  "contiguous cache over ours (above 1: ours is faster).", ""]
+        lines += _table(header, table) + [""] + [f"- {n}" for n in notes] + [""]
+    return "\n".join(lines).rstrip("\n") + "\n"
+
+
 # block -> (the kind of results it renders, renderer)
 _RENDER = {"headline": ("bench", markdown_headline), "speed": ("bench", markdown_speed),
-           "memory": ("memory", markdown_memory), "cold-start": ("cold_start", markdown_cold_start)}
+           "memory": ("memory", markdown_memory), "cold-start": ("cold_start", markdown_cold_start),
+           "decode": ("decode", markdown_decode)}
 # Blocks that may cite files of another kind, and say "not measured yet" for them.
-_ANY_SOURCE = {"cold-start"}
+_ANY_SOURCE = {"cold-start", "decode"}
 
 
 # --------------------------------------------------------------------------
@@ -392,17 +525,18 @@ _ANY_SOURCE = {"cold-start"}
 # --------------------------------------------------------------------------
 
 # kind of results -> its key in a results JSON
-_KINDS = {"bench": "results", "memory": "memory", "cold_start": "cold_start"}
+_KINDS = {"bench": "results", "memory": "memory", "cold_start": "cold_start",
+          "decode": "decode"}
 
 
 def load_result(path: str) -> tuple[list[str], dict]:
     """(kinds, data) of a results JSON; the kinds it holds of 'bench' (benchmark rows), 'memory'
-    (a sweep) and 'cold_start'."""
+    (a sweep), 'cold_start' and 'decode'."""
     with open(path) as f:
         data = json.load(f)
     kinds = [kind for kind, key in _KINDS.items() if key in data]
     if not kinds:
-        raise ValueError(f"{path}: no benchmark rows, memory sweep or cold start")
+        raise ValueError(f"{path}: no benchmark rows, memory sweep, cold start or decode run")
     return kinds, data
 
 
