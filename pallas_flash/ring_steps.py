@@ -23,7 +23,8 @@ come out of the kernel in the input dtype and go straight to their owner:
 
 * ring: a `ppermute` by -t, issued after the step's kernels and added by the owner after the
   next step's kernels (so it too can overlap); the owner sums in float32, locally, in step
-  order, and rounds once at the end;
+  order, and rounds once at the end (with two steps, P = 2, the one sum is kept in the input
+  dtype: a single float32 add rounds the same);
 * allgather: written into the gathered-size dK/dV, then one `psum_scatter` (reduce-scatter)
   sums them over the devices and hands each its shard.
 
@@ -235,21 +236,29 @@ def _backward(plan: Plan, q, kv, out, lse, q_ids, d_out, d_lse, gathered=None):
             gathered_grads = tuple(lax.dynamic_update_slice_in_dim(g, p, source, axis=1)
                                    for g, p in zip(gathered_grads, parts))
         elif step.shift == 0:
-            home = parts if len(plan.steps) == 1 else tuple(
+            # With at most one part to come, one float32 add at the end rounds once, as a
+            # float32 sum would: the sum is kept in the input dtype, at half the memory.
+            home = parts if len(plan.steps) <= 2 else tuple(
                 p.astype(_acc_dtype(p.dtype)) for p in parts)
         else:
             if pending is not None:
-                home = tuple(h + p.astype(h.dtype) for h, p in zip(home, pending))
+                home = _add_home(home, pending)
             pending = _shift(plan, parts, -step.shift)
     if gathered is not None:
         d_k, d_v = (lax.psum_scatter(g, plan.axis_name, scatter_dimension=1, tiled=True)
                     for g in gathered_grads)
     else:
         if pending is not None:
-            home = tuple(h + p.astype(h.dtype) for h, p in zip(home, pending))
+            home = _add_home(home, pending)
         d_k, d_v = (h.astype(k.dtype) for h in home)
     d_q = zeros() if d_q is None else d_q
     return d_q, d_k, d_v
+
+
+def _add_home(home, parts):
+    """The owner's sums of dK, dV plus a part that came home: added in float32 (or float64)."""
+    return tuple((h.astype(_acc_dtype(h.dtype)) + p.astype(_acc_dtype(h.dtype))).astype(h.dtype)
+                 for h, p in zip(home, parts))
 
 
 # ================================================================================================

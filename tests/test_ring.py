@@ -1,7 +1,9 @@
 """Ring attention (pallas_flash/ring.py) on a mesh of host devices: the zig-zag layout, the
 checks, and the ring against single-device attention.
 
-conftest.py forces four CPU devices, so these run anywhere (interpret mode on the CPU). Each
+conftest.py forces four CPU devices, so these run anywhere (interpret mode on the CPU); on a
+machine with fewer devices the multi-device tests skip (`make_mesh`), and on one GPU the
+one-device ring and every call of a multi-device plan run compiled. Each
 case compiles forward and backward in one jit and compares O, lse, dq, dk and dv, under random
 cotangents for both outputs, with single-device `flash_attention` and with
 `reference_attention`, and counts the kernel calls each ring position runs. Shapes are tiny:
@@ -21,14 +23,14 @@ from jax.sharding import PartitionSpec as P
 from jax.test_util import check_grads
 
 import pallas_flash as pf
-from helpers import (ON_GPU, compare_results, make_mesh, outputs_and_grads, random_inputs,
-                     single_device)
+from helpers import (ON_GPU, TOLERANCE, assert_close, compare_results, make_mesh,
+                     outputs_and_grads, random_inputs, single_device)
 from pallas_flash import attention, ring, ring_plan, ring_steps
 from pallas_flash.masking import MaskSpec
 from pallas_flash.mosaic import forward as mosaic_forward
 from pallas_flash.sharding import ID_OPTIONS
+from pallas_flash.stats import to_lse as stats_to_lse
 
-pytestmark = pytest.mark.skipif(len(jax.devices()) < 2, reason="needs at least 2 devices")
 F32 = jnp.float32
 
 
@@ -664,3 +666,75 @@ def test_ring_sends_overlap_the_kernels():
                                      # and only then step 1's dK/dV are added at home
         "send", "kernel", "use",     # step 2's dK/dV leave; step 3; step 2's added
         "send", "use"]               # step 3's dK/dV go home last
+
+
+# ================================================================================================
+# On one GPU: the ring's calls on the compiled kernels
+# ================================================================================================
+
+
+def _dense_attention(spec, q, k, v):
+    """O and lse of one call with its exact static mask, in float32 (GQA by repeat)."""
+    group = q.shape[2] // k.shape[2]
+    k, v = (jnp.repeat(x.astype(F32), group, axis=2) for x in (k, v))
+    s = jnp.einsum("bqhd,bkhd->bhqk", q.astype(F32), k) * spec.scale
+    if spec.softcap is not None:
+        s = spec.softcap * jnp.tanh(s / spec.softcap)
+    mask = spec.mask.dense()
+    if mask is not None:
+        s = jnp.where(mask, s, -jnp.inf)
+    lse = jax.nn.logsumexp(s, axis=-1)
+    p = jnp.exp(s - jnp.where(jnp.isfinite(lse), lse, 0.0)[..., None])
+    return jnp.einsum("bhqk,bkhd->bqhd", p, v), lse
+
+
+@pytest.mark.skipif(not ON_GPU, reason="the compiled kernels need a GPU")
+def test_plan_calls_on_the_compiled_kernels():
+    """Every distinct call of a 4-device zig-zag plan under a causal window (offset masks,
+    half pieces), in bf16 on the backends the plan chose (the guarded Mosaic kernels on
+    sm_90): forward against a dense float32 attention with the call's exact mask, backward
+    against the Triton backward on the same operands."""
+    q = jax.ShapeDtypeStruct((1, 1024, 4, 64), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((1, 1024, 2, 64), jnp.bfloat16)
+    plan = ring._plan(q, k, k, axis_name="ring", axis_size=4, where="global", causal=True,
+                      scale=None, softcap=None, window=(200, None),
+                      causal_alignment="top_left", layout="zigzag", strategy="ring",
+                      backend="auto", precision=None, config=None, interpret=None,
+                      ids={name: None for name in ID_OPTIONS})
+    calls = list(dict.fromkeys(c for s in plan.steps for kind in s.kinds for c in kind))
+    assert len(calls) > 3 and any(c.spec.mask.offset for c in calls)
+    tol = TOLERANCE[jnp.dtype(jnp.bfloat16)]
+    for n, call in enumerate(calls):
+        rows, cols = call.rows[1] - call.rows[0], call.cols[1] - call.cols[0]
+        cq, ck, cv, do = random_inputs(jax.random.PRNGKey(n), 1, rows, cols, 4, 2, 64,
+                                       jnp.bfloat16)
+        dlse = jax.random.normal(jax.random.PRNGKey(100 + n), (1, 4, rows), F32)
+        out, row_stats = jax.jit(lambda *a, c=call: ring_steps._kernel_forward(
+            c.spec, *a, None, None, backend=c.forward))(cq, ck, cv)
+        want_out, want_lse = _dense_attention(call.spec, cq, ck, cv)
+        assert_close(f"call {n} out", out, want_out, tol)
+        lse = stats_to_lse(call.spec, row_stats)
+        seen = np.isfinite(np.asarray(want_lse))
+        assert_close(f"call {n} lse", np.where(seen, lse, 0), np.where(seen, want_lse, 0), tol,
+                     floor=1.0)
+        grads = {name: jax.jit(lambda *a, c=call, b=name: ring_steps._kernel_backward(
+            c.spec, *a, None, None, backend=b))(cq, ck, cv, out, row_stats, do, dlse)
+            for name in (call.backward, "triton")}
+        for g, name in enumerate(("dq", "dk", "dv")):
+            assert_close(f"call {n} {name}", grads[call.backward][g], grads["triton"][g], tol)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="a one-device ring is the flash kernels on a GPU")
+@pytest.mark.parametrize("strategy", ["ring", "allgather"])
+def test_one_device_ring_matches_reference(strategy):
+    """P = 1 (all one GPU can show): the whole ring on the compiled kernels, bf16, causal with
+    a window and GQA, against the reference."""
+    mesh = make_mesh((1,), ("ring",))
+    q, k, v, do = random_inputs(jax.random.PRNGKey(31), 1, 512, 512, 4, 2, 64, jnp.bfloat16)
+    dlse = _dlse(jax.random.PRNGKey(32), q)
+    options = dict(causal=True, window=(100, None))
+    got = outputs_and_grads(_ring_fn(mesh, "zigzag", 1, strategy=strategy), q, k, v, do, dlse,
+                            options)
+    up = lambda x: x.astype(F32)  # noqa: E731
+    ref = outputs_and_grads(pf.reference_attention, up(q), up(k), up(v), up(do), dlse, options)
+    compare_results(strategy, got, ref, jnp.bfloat16)
