@@ -98,6 +98,8 @@ CASES = [
                  dict(num_splits=2, sinks=True), id="bf16-paged-sinks-empty-rows"),
     pytest.param(jnp.float32, 1, 16, 2, 2, 16, 64, None, [40], dict(num_splits=1, sinks=True),
                  id="f32-q16-sinks"),
+    pytest.param(jnp.float32, 1, 16, 8, 1, 16, 128, 32, [100], dict(num_splits=2),
+                 id="f32-paged-q16-gqa8-two-row-tiles"),
 ]
 
 
@@ -175,8 +177,11 @@ def test_split_count_does_not_change_the_result():
 def test_kernels_are_named():
     q = _normal(jax.random.PRNGKey(4), (1, 1, 2, 16), jnp.float32)
     k, v, *_ = make_cache(jax.random.PRNGKey(5), 1, 128, 1, 16, jnp.float32)
-    fn = lambda q, k, v: pf.decode_attention(q, k, v, kv_lengths=jnp.array([100], jnp.int32),  # noqa: E731
-                                             num_splits=2)
+    lengths = jnp.array([100], jnp.int32)
+
+    def fn(q, k, v):
+        return pf.decode_attention(q, k, v, kv_lengths=lengths, num_splits=2)
+
     assert {"pallas_flash_decode", "pallas_flash_decode_combine"} <= kernel_names(fn, q, k, v)
 
 
@@ -225,7 +230,11 @@ def test_sampling_loop_under_jit(paged):
 def test_differentiating_raises():
     q = _normal(jax.random.PRNGKey(8), (1, 1, 2, 16), jnp.float32)
     k, v, *_ = make_cache(jax.random.PRNGKey(9), 1, 64, 2, 16, jnp.float32)
-    fn = lambda q: pf.decode_attention(q, k, v, kv_lengths=jnp.array([9], jnp.int32)).sum()  # noqa: E731
+    lengths = jnp.array([9], jnp.int32)
+
+    def fn(q):
+        return pf.decode_attention(q, k, v, kv_lengths=lengths).sum()
+
     with pytest.raises(TypeError, match="forward only.*flash_attention"):
         jax.grad(fn)(q)
     with pytest.raises(TypeError, match="forward only"):

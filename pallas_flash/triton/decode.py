@@ -1,18 +1,19 @@
 """Split-KV decode kernels, lowered through Pallas Triton: the partial pass and the combine.
 
-Partial ("pallas_flash_decode"). Grid: (batch, kv_heads, num_splits). A program holds the
-plan.rows packed query rows of one kv head (all query heads of its group, all q_len tokens;
-padded to a power of two >= 16) and walks the key blocks of its split's chunk, up to the
-sequence's kv_length, with the online softmax of forward.py, in natural-log logits u and base 2 (c = log2 e):
-    m_j = max(m_{j-1}, rowmax(U_j)),  l_j = l_{j-1} 2^((m_{j-1} - m_j) c) + rowsum(2^((U_j - m_j) c))
-    acc_j = acc_{j-1} 2^((m_{j-1} - m_j) c) + 2^((U_j - m_j) c) V_j
+Partial ("pallas_flash_decode"). Grid: (batch, kv_heads * row tiles, num_splits). A program
+holds up to MAX_ROW_TILE packed query rows of one kv head (the query heads of its group times
+the q_len tokens, padded to a power of two >= 16; one tile unless q_len * group is large) and
+walks the BLOCK_KV-key blocks of its split's chunk, up to the sequence's kv_length, with the
+online softmax of forward.py in natural-log logits u and base 2 (c = log2 e):
+    m_j = max(m_{j-1}, rowmax(U_j)),  alpha_j = 2^((m_{j-1} - m_j) c),  P_j = 2^((U_j - m_j) c)
+    l_j = l_{j-1} alpha_j + rowsum(P_j),  acc_j = acc_{j-1} alpha_j + P_j V_j
 and writes O = acc / l and lse = m + ln(l), float32 (an empty chunk: O = 0, lse = -inf).
 A paged cache is read by a gather: each key row of a block takes its physical page from the
 block table, so a block may span several pages smaller than itself.
 
-Combine ("pallas_flash_decode_combine"). Grid: (batch, kv_heads). Merges the splits of one kv
-head exactly: lse = log sum_s exp(lse_s), O = sum_s exp(lse_s - lse) O_s, with the weights taken
-against 0 where every split is empty, so such a row stays O = 0, lse = -inf.
+Combine ("pallas_flash_decode_combine"). Grid: (batch, kv_heads * row tiles). Merges the splits
+exactly, one at a time: lse = log sum_s exp(lse_s), O = sum_s exp(lse_s - lse) O_s, with the
+weights taken against 0 while every split is empty, so such a row stays O = 0, lse = -inf.
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ __all__ = ["partial", "combine", "unsupported_reason"]
 
 # Keys per block: a power of two that divides every chunk (decode.CHUNK_ALIGN).
 BLOCK_KV = 64
+# Packed rows per program at most: a 64 x 256 float32 accumulator is 128 registers a thread.
+MAX_ROW_TILE = 64
 _LOG2E = math.log2(math.e)
 
 
@@ -67,7 +70,15 @@ def _bounds(plan, kv_len, split, block: int):
     return lo, full_lo, full_hi, hi
 
 
-def _partial_kernel(*refs, plan, rows_pad: int, d_pad: int, block: int):
+def row_tiling(plan) -> tuple[int, int]:
+    """(rows per program, programs per kv head): one tile of all packed rows, padded to a power
+    of two >= 16, unless that passes MAX_ROW_TILE (q_len 16 with a large group), whose float32
+    accumulator would not fit in registers; then K/V is read once per row tile."""
+    tile = min(MAX_ROW_TILE, max(common.MIN_TILE, pl.next_power_of_2(plan.rows)))
+    return tile, pl.cdiv(plan.rows, tile)
+
+
+def _partial_kernel(*refs, plan, rows_pad: int, n_tiles: int, d_pad: int, block: int):
     if plan.paged:
         q_ref, k_ref, v_ref, len_ref, table_ref, o_ref, lse_ref = refs
     else:
@@ -75,13 +86,15 @@ def _partial_kernel(*refs, plan, rows_pad: int, d_pad: int, block: int):
         table_ref = None
     # Program ids are read up front: interpret mode substitutes them only outside control flow.
     b, split = pl.program_id(0), pl.program_id(2)
+    row_start = lax.rem(pl.program_id(1), jnp.int32(n_tiles)) * rows_pad
     kv_len = len_ref[b]
     acc_dtype = common.accumulator_dtype(q_ref.dtype)
     cols = common.column_mask(plan.head_dim, d_pad)
     precision = lax.Precision.HIGHEST if q_ref.dtype == jnp.float32 else None
-    q = common.load_tile(q_ref, jnp.int32(0), rows_pad, plan.rows, cols)
+    q = common.load_tile(q_ref, row_start, rows_pad, plan.rows, cols)
     # Packed row r is token r // group, at position kv_len - q_len + r // group.
-    row_pos = kv_len - plan.q_len + lax.div(_positions(0, rows_pad), jnp.int32(plan.group))
+    row_pos = kv_len - plan.q_len + lax.div(_positions(row_start, rows_pad),
+                                            jnp.int32(plan.group))
 
     def load_kv(ref, start, masked, end):
         rows = _positions(start, block)
@@ -141,42 +154,44 @@ def _partial_kernel(*refs, plan, rows_pad: int, d_pad: int, block: int):
     acc, m, l = common.three_phase_loop(_bounds(plan, kv_len, split, block), step, init)
     seen = l > 0
     out = acc / jnp.where(seen, l, 1.0)[:, None]
-    common.store_tile(o_ref, jnp.int32(0), rows_pad, plan.rows, cols, out)
+    common.store_tile(o_ref, row_start, rows_pad, plan.rows, cols, out)
     lse = jnp.where(seen, jnp.where(seen, m, 0.0) + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)
-    ok = _positions(0, rows_pad) < plan.rows
-    plgpu.store(lse_ref.at[pl.ds(jnp.int32(0), rows_pad)], lse.astype(lse_ref.dtype), mask=ok)
+    ok = _positions(row_start, rows_pad) < plan.rows
+    plgpu.store(lse_ref.at[pl.ds(row_start, rows_pad)], lse.astype(lse_ref.dtype), mask=ok)
 
 
 def partial(plan, q_packed, k_cache, v_cache, kv_lengths, block_table):
     """Per-split (O, lse); shapes and meaning in pallas_flash.decode.partial_contract."""
-    rows_pad = max(common.MIN_TILE, pl.next_power_of_2(plan.rows))
+    rows_pad, n_tiles = row_tiling(plan)
     d_pad = common.padded_head_dim(plan.head_dim)
-    block = BLOCK_KV
     stats = common.accumulator_dtype(plan.dtype)
-    grid = (plan.batch, plan.kv_heads, plan.num_splits)
-    q_spec = pl.BlockSpec((None, None, plan.rows, d_pad), lambda b, h, s: (b, h, 0, 0))
+    # Grid axis 1 is (kv head, row tile); every row tile of a head shares its blocks.
+    grid = (plan.batch, plan.kv_heads * n_tiles, plan.num_splits)
+    q_spec = pl.BlockSpec((None, None, plan.rows, d_pad), lambda b, i, s: (b, i // n_tiles, 0, 0))
     if plan.paged:
         num_pages = k_cache.shape[0]
         kv_spec = pl.BlockSpec((num_pages, plan.page_size, None, d_pad),
-                               lambda b, h, s: (0, 0, h, 0))
+                               lambda b, i, s: (0, 0, i // n_tiles, 0))
     else:
-        kv_spec = pl.BlockSpec((None, plan.max_len, None, d_pad), lambda b, h, s: (b, 0, h, 0))
-    len_spec = pl.BlockSpec((plan.batch,), lambda b, h, s: (0,))
+        kv_spec = pl.BlockSpec((None, plan.max_len, None, d_pad),
+                               lambda b, i, s: (b, 0, i // n_tiles, 0))
+    len_spec = pl.BlockSpec((plan.batch,), lambda b, i, s: (0,))
     in_specs = [q_spec, kv_spec, kv_spec, len_spec]
     args = [q_packed, k_cache, v_cache, kv_lengths]
     if plan.paged:
-        in_specs.append(pl.BlockSpec((None, plan.pages_per_seq), lambda b, h, s: (b, 0)))
+        in_specs.append(pl.BlockSpec((None, plan.pages_per_seq), lambda b, i, s: (b, 0)))
         args.append(block_table)
-    kernel = functools.partial(_partial_kernel, plan=plan, rows_pad=rows_pad, d_pad=d_pad,
-                               block=block)
+    kernel = functools.partial(_partial_kernel, plan=plan, rows_pad=rows_pad, n_tiles=n_tiles,
+                               d_pad=d_pad, block=BLOCK_KV)
     parts = (plan.batch, plan.kv_heads, plan.num_splits, plan.rows)
     return pl.pallas_call(
         kernel,
         grid=grid,
         in_specs=in_specs,
         out_specs=[
-            pl.BlockSpec((None, None, None, plan.rows, d_pad), lambda b, h, s: (b, h, s, 0, 0)),
-            pl.BlockSpec((None, None, None, plan.rows), lambda b, h, s: (b, h, s, 0)),
+            pl.BlockSpec((None, None, None, plan.rows, d_pad),
+                         lambda b, i, s: (b, i // n_tiles, s, 0, 0)),
+            pl.BlockSpec((None, None, None, plan.rows), lambda b, i, s: (b, i // n_tiles, s, 0)),
         ],
         out_shape=[jax.ShapeDtypeStruct((*parts, plan.head_dim), stats),
                    jax.ShapeDtypeStruct(parts, stats)],
@@ -186,55 +201,59 @@ def partial(plan, q_packed, k_cache, v_cache, kv_lengths, block_table):
     )(*args)
 
 
-def _combine_kernel(o_ref, lse_ref, out_ref, out_lse_ref, *, num_splits: int, rows: int,
-                    head_dim: int, splits_pad: int, rows_pad: int, d_pad: int):
-    cols = common.column_mask(head_dim, d_pad)
-    split_ok = (_positions(0, splits_pad) < num_splits)[:, None]
-    row_ok = _positions(0, rows_pad) < rows
-    zero = jnp.int32(0)
-    all_lse = plgpu.load(lse_ref.at[pl.ds(zero, splits_pad), pl.ds(zero, rows_pad)],
-                         mask=split_ok & row_ok[None, :], other=-jnp.inf)
-    top = jnp.max(all_lse, axis=0)
-    anchor = jnp.where(top == -jnp.inf, 0.0, top)
-    total = jnp.sum(jnp.exp(all_lse - anchor[None, :]), axis=0)
-    lse = jnp.where(total > 0, anchor + jnp.log(total), -jnp.inf)
-    # A row no split saw keeps weight exp(-inf - 0) = 0 for every split: O = 0, never NaN.
-    lse_anchor = jnp.where(total > 0, lse, 0.0)
+def _combine_kernel(o_ref, lse_ref, out_ref, out_lse_ref, *, plan, rows_pad: int,
+                    n_tiles: int, d_pad: int):
+    cols = common.column_mask(plan.head_dim, d_pad)
+    row_start = lax.rem(pl.program_id(1), jnp.int32(n_tiles)) * rows_pad
+    row_ok = _positions(row_start, rows_pad) < plan.rows
+    mask = row_ok[:, None] if cols is None else row_ok[:, None] & cols
+    rows, all_cols = pl.ds(row_start, rows_pad), pl.ds(jnp.int32(0), d_pad)
 
-    def add(s, acc):
-        part_lse = plgpu.load(lse_ref.at[s, pl.ds(zero, rows_pad)], mask=row_ok,
-                              other=-jnp.inf)
-        mask = row_ok[:, None] if cols is None else row_ok[:, None] & cols
-        part = plgpu.load(o_ref.at[s, pl.ds(zero, rows_pad), pl.ds(zero, d_pad)], mask=mask,
-                          other=0.0)
-        return acc + jnp.exp(part_lse - lse_anchor)[:, None] * part
+    def add(s, carry):
+        # The ring's merge, one split at a time against the running max: weights are taken
+        # against 0 while every split so far is empty, so exp(-inf) gives 0, never NaN.
+        acc, top, total = carry
+        part_lse = plgpu.load(lse_ref.at[s, rows], mask=row_ok, other=-jnp.inf)
+        part = plgpu.load(o_ref.at[s, rows, all_cols], mask=mask, other=0.0)
+        new_top = jnp.maximum(top, part_lse)
+        anchor = jnp.where(new_top == -jnp.inf, 0.0, new_top)
+        old = jnp.exp(top - anchor)
+        weight = jnp.exp(part_lse - anchor)
+        return (acc * old[:, None] + part * weight[:, None], new_top,
+                total * old + weight)
 
-    acc = lax.fori_loop(0, num_splits, add, jnp.zeros((rows_pad, d_pad), all_lse.dtype))
-    common.store_tile(out_ref, zero, rows_pad, rows, cols, acc)
-    plgpu.store(out_lse_ref.at[pl.ds(zero, rows_pad)], lse, mask=row_ok)
+    init = (jnp.zeros((rows_pad, d_pad), jnp.float32),
+            jnp.full((rows_pad,), -jnp.inf, jnp.float32),
+            jnp.zeros((rows_pad,), jnp.float32))
+    acc, top, total = lax.fori_loop(0, plan.num_splits, add, init)
+    seen = total > 0
+    out = acc / jnp.where(seen, total, 1.0)[:, None]
+    common.store_tile(out_ref, row_start, rows_pad, plan.rows, cols, out)
+    lse = jnp.where(seen, jnp.where(seen, top, 0.0) + jnp.log(jnp.where(seen, total, 1.0)),
+                    -jnp.inf)
+    plgpu.store(out_lse_ref.at[rows], lse, mask=row_ok)
 
 
 def combine(plan, o_part, lse_part, out_dtype):
     """(O [batch, kv_heads, rows, head_dim] in out_dtype, lse float32 [batch, kv_heads, rows])
     from the per-split partials."""
-    rows_pad = max(common.MIN_TILE, pl.next_power_of_2(plan.rows))
-    splits_pad = pl.next_power_of_2(plan.num_splits)
+    rows_pad, n_tiles = row_tiling(plan)
     d_pad = common.padded_head_dim(plan.head_dim)
-    kernel = functools.partial(_combine_kernel, num_splits=plan.num_splits, rows=plan.rows,
-                               head_dim=plan.head_dim, splits_pad=splits_pad,
-                               rows_pad=rows_pad, d_pad=d_pad)
+    kernel = functools.partial(_combine_kernel, plan=plan, rows_pad=rows_pad, n_tiles=n_tiles,
+                               d_pad=d_pad)
     s, rows = plan.num_splits, plan.rows
     return pl.pallas_call(
         kernel,
-        grid=(plan.batch, plan.kv_heads),
-        in_specs=[pl.BlockSpec((None, None, s, rows, d_pad), lambda b, h: (b, h, 0, 0, 0)),
-                  pl.BlockSpec((None, None, s, rows), lambda b, h: (b, h, 0, 0))],
-        out_specs=[pl.BlockSpec((None, None, rows, d_pad), lambda b, h: (b, h, 0, 0)),
-                   pl.BlockSpec((None, None, rows), lambda b, h: (b, h, 0))],
+        grid=(plan.batch, plan.kv_heads * n_tiles),
+        in_specs=[pl.BlockSpec((None, None, s, rows, d_pad),
+                               lambda b, i: (b, i // n_tiles, 0, 0, 0)),
+                  pl.BlockSpec((None, None, s, rows), lambda b, i: (b, i // n_tiles, 0, 0))],
+        out_specs=[pl.BlockSpec((None, None, rows, d_pad), lambda b, i: (b, i // n_tiles, 0, 0)),
+                   pl.BlockSpec((None, None, rows), lambda b, i: (b, i // n_tiles, 0))],
         out_shape=[jax.ShapeDtypeStruct((plan.batch, plan.kv_heads, rows, plan.head_dim),
                                         out_dtype),
                    jax.ShapeDtypeStruct((plan.batch, plan.kv_heads, rows), lse_part.dtype)],
-        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
         interpret=plan.interpret,
         name="pallas_flash_decode_combine",
     )(o_part, lse_part)
