@@ -52,13 +52,16 @@ def tolerance(dtype, precision=None) -> float:
     return TOLERANCE[dtype]
 
 
-def random_inputs(key, batch, seq_q, seq_kv, q_heads, kv_heads, head_dim, dtype):
-    """Fresh normal q, k, v and a normal output cotangent (never zeros or ones)."""
+def random_inputs(key, batch, seq_q, seq_kv, q_heads, kv_heads, head_dim, dtype, *,
+                  head_dim_v=None):
+    """Fresh normal q, k, v and a normal output cotangent (never zeros or ones); v and the
+    cotangent have head_dim_v columns where given (MLA), else head_dim."""
+    head_dim_v = head_dim if head_dim_v is None else head_dim_v
     kq, kk, kv, kd = jax.random.split(key, 4)
     q = jax.random.normal(kq, (batch, seq_q, q_heads, head_dim), jnp.float32).astype(dtype)
     k = jax.random.normal(kk, (batch, seq_kv, kv_heads, head_dim), jnp.float32).astype(dtype)
-    v = jax.random.normal(kv, (batch, seq_kv, kv_heads, head_dim), jnp.float32).astype(dtype)
-    do = jax.random.normal(kd, (batch, seq_q, q_heads, head_dim), jnp.float32).astype(dtype)
+    v = jax.random.normal(kv, (batch, seq_kv, kv_heads, head_dim_v), jnp.float32).astype(dtype)
+    do = jax.random.normal(kd, (batch, seq_q, q_heads, head_dim_v), jnp.float32).astype(dtype)
     return q, k, v, do
 
 
@@ -123,7 +126,7 @@ def check_against_reference(q, k, v, do, *, key=None, tol=None, **kwargs):
     ref_out, ref_lse, ref_grads = outputs_and_grads(
         pf.reference_attention, up(q), up(k), up(v), up(do), dlse, ref_kwargs)
 
-    assert out.dtype == q.dtype and out.shape == q.shape
+    assert out.dtype == q.dtype and out.shape == (*q.shape[:-1], v.shape[-1])
     assert lse.shape == (q.shape[0], q.shape[2], q.shape[1])
     # Rows that see no key must agree exactly on lse = -inf; the rest are compared by value.
     empty = ~np.isfinite(np.asarray(ref_lse))
