@@ -288,8 +288,7 @@ def unpack_rows(plan: DecodePlan, out, lse):
 def _no_derivative(primals, tangents):
     raise TypeError(
         "decode_attention is forward only: it serves sampling, where no gradient is taken. "
-        "Differentiate through pallas_flash.flash_attention (causal_alignment='bottom_right' "
-        "with kv_lengths gives the same attention) for training.")
+        "Use pallas_flash.flash_attention for training.")
 
 
 @functools.lru_cache(maxsize=None)
@@ -308,6 +307,8 @@ def _decode_fn(plan: DecodePlan, backend: str, has_sinks: bool):
         if plan.num_splits == 1:
             out, lse = o_part[:, :, 0].astype(out_dtype), lse_part[:, :, 0]
         else:
+            # The combine reads only num_splits * rows * head_dim floats per head: one Triton
+            # kernel serves every backend.
             out, lse = triton_decode.combine(plan, o_part, lse_part, out_dtype)
         out, lse = unpack_rows(plan, out, lse)
         if has_sinks:

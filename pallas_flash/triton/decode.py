@@ -90,6 +90,7 @@ def _partial_kernel(*refs, plan, rows_pad: int, n_tiles: int, d_pad: int, block:
     kv_len = len_ref[b]
     acc_dtype = common.accumulator_dtype(q_ref.dtype)
     cols = common.column_mask(plan.head_dim, d_pad)
+    # Decoding is bandwidth-bound: float32 operands get full-precision (not tf32) products.
     precision = lax.Precision.HIGHEST if q_ref.dtype == jnp.float32 else None
     q = common.load_tile(q_ref, row_start, rows_pad, plan.rows, cols)
     # Packed row r is token r // group, at position kv_len - q_len + r // group.
