@@ -3,6 +3,7 @@
 Usage, from the repository root:
 
     PYTHONPATH=. python benchmarks/scaling.py --out $OUT            # all visible GPUs
+    PYTHONPATH=. python benchmarks/scaling.py --devices 1,2 --out $OUT   # P=1 and P=2 rings
     PYTHONPATH=. python benchmarks/scaling.py --smoke --out /tmp/s  # tiny shapes, CPU devices
 
 On a CPU the --smoke run asks XLA for 4 host devices (unless XLA_FLAGS already sets a count),
@@ -10,14 +11,18 @@ so the ring has devices to run on; the kernels then run in Pallas interpret mode
 XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 if part 2 should compare against (nearly) the whole
 memory: JAX's default `bytes_limit` is 75% of it.
 
-Defaults: batch 1, 16 heads (q and kv), head_dim 128, causal, bf16.
+Defaults: batch 1, 16 heads (q and kv; --kv-heads for GQA), head_dim 128, causal, bf16. The
+context-parallel call runs over the first P devices for each P of --devices (default: all
+visible; P=1 runs the ring on one device, against flash_attention on the same device), with
+--strategy ring, allgather or auto (default ring).
 
 Part 1, timing (rows "time"). For each --seqs length, one jitted forward+backward step
 (`jax.vjp` of the attention, applied to a random cotangent; the step returns the output and
-dq, dk, dv) is run `--warmup` times, then `--iters` times, each call ended by
-`jax.block_until_ready`; the row reports the median. It is timed twice:
+dq, dk, dv) is compiled, then run `--warmup` times and `--iters` times, each call ended by
+`jax.block_until_ready`; the row reports the median, and the compiled step's per-device
+memory analysis (argument + output + temp - alias bytes, as in part 2). It is timed:
   * on one device with `flash_attention`;
-  * on all P visible devices with `ring_attention` (zig-zag layout, sequence split over a mesh
+  * on P devices with `ring_attention` (zig-zag layout, sequence split over a mesh
     axis "context", inputs placed with a NamedSharding along the sequence). The inputs are the
     one-device inputs put into zig-zag order with `zigzag_permute` (a model does that once, at
     its input, so the permutation is not part of the timed step).
@@ -36,6 +41,14 @@ with the device's `bytes_limit`. A compile that fails for lack of memory counts 
 fit"; once a length does not fit, longer ones are skipped. This is a prediction, not a run:
 it says nothing of run time, and a run may still fail for other reasons.
 
+Part 3, longest sequence that runs (rows "run", with --run-fit). Each length is RUN: one
+forward+backward step in a fresh child process (inputs made on the devices, already split
+along the sequence for the ring, so no device holds the whole sequence), which reports the
+largest `peak_bytes_in_use` of the devices it used (`memory_stats()`, so the peak is the
+step's and its inputs') and whether it ran out of memory. Lengths grow until the first that
+fails. This is the measured counterpart of part 2; its lengths are --run-seqs-1 (one device)
+and --run-seqs-ring (each P).
+
 Every failure (out of memory, a compile error, the --time-budget running out) becomes a
 result row, never a crash. Rows are printed as they complete and the JSON (--out) is
 rewritten after every row, so a run cut by an outer timeout keeps what it measured.
@@ -46,9 +59,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import functools
 import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -99,13 +114,21 @@ class Shape:
     head_dim: int
     causal: bool
     dtype: str
+    kv_heads: int | None = None  # None: as many as heads
 
     def fwdbwd_flops(self, seq: int) -> float:
         return attention_flops(self.batch, seq, seq, self.heads, self.head_dim, self.causal,
                                "fwdbwd")
 
-    def tokens(self, seq: int) -> tuple[int, int, int, int]:
-        return (self.batch, seq, self.heads, self.head_dim)
+    def tokens(self, seq: int, kv: bool = False) -> tuple[int, int, int, int]:
+        heads = self.kv_heads or self.heads if kv else self.heads
+        return (self.batch, seq, heads, self.head_dim)
+
+    def structs(self, seq: int, sharding=None):
+        """q, k, v, dO as ShapeDtypeStructs."""
+        dtype = DTYPES[self.dtype]
+        return [jax.ShapeDtypeStruct(self.tokens(seq, kv=i in (1, 2)), dtype, sharding=sharding)
+                for i in range(4)]
 
 
 # ================================================================================================
@@ -122,11 +145,11 @@ def along_seq(mesh) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec(None, AXIS, None, None))
 
 
-def attention_fn(impl: str, causal: bool, mesh=None):
+def attention_fn(impl: str, causal: bool, mesh=None, strategy: str = "ring"):
     if impl == SINGLE:
         return lambda q, k, v: pf.flash_attention(q, k, v, causal=causal)
     return lambda q, k, v: pf.ring_attention(q, k, v, mesh=mesh, axis_name=AXIS, causal=causal,
-                                             layout="zigzag")
+                                             layout="zigzag", strategy=strategy)
 
 
 def make_step(attention):
@@ -144,7 +167,8 @@ def make_inputs(shape: Shape, seq: int, key):
     """Random normal q, k, v and cotangent on the default device (never zeros: zeros make every
     softmax row uniform and would hide a wrong merge)."""
     dtype = DTYPES[shape.dtype]
-    return tuple(jax.random.normal(k, shape.tokens(seq), dtype) for k in jax.random.split(key, 4))
+    return tuple(jax.random.normal(k, shape.tokens(seq, kv=i in (1, 2)), dtype)
+                 for i, k in enumerate(jax.random.split(key, 4)))
 
 
 # ================================================================================================
@@ -189,14 +213,18 @@ class Recorder:
 
 def base_row(kind: str, impl: str, devices: int, shape: Shape, seq: int) -> dict:
     return {"kind": kind, "impl": impl, "devices": devices, "seq": seq, "batch": shape.batch,
-            "heads": shape.heads, "head_dim": shape.head_dim, "causal": shape.causal,
-            "dtype": shape.dtype, "status": "ok", "error": None}
+            "heads": shape.heads, "kv_heads": shape.kv_heads or shape.heads,
+            "head_dim": shape.head_dim, "causal": shape.causal, "dtype": shape.dtype,
+            "status": "ok", "error": None}
 
 
 def timed_row(row: dict, step, inputs, shape: Shape, args):
-    """Fills row with the timing of step(*inputs); returns the step's result (None on error)."""
+    """Fills row with the compiled step's memory analysis and the timing of step(*inputs);
+    returns the step's result (None on error)."""
     try:
-        times, result = time_calls(step, inputs, args.iters, args.warmup)
+        compiled = compile_step(step, inputs)
+        row.update(memory_fields(compiled.memory_analysis()))
+        times, result = time_calls(compiled, inputs, args.iters, args.warmup)
     except Exception as e:  # noqa: BLE001 - any failure (OOM, lowering) is a result row
         row.update(status="error", error=short_error(e))
         return None
@@ -230,8 +258,8 @@ def time_ring(args, shape: Shape, mesh, inputs, single: dict, single_result, rin
     try:
         ring_inputs = [jax.device_put(pf.zigzag_permute(x, devices, axis=1), along_seq(mesh))
                        for x in inputs]
-        ring_result = timed_row(ring, make_step(attention_fn(RING, shape.causal, mesh)),
-                                ring_inputs, shape, args)
+        step = make_step(attention_fn(RING, shape.causal, mesh, args.strategy))
+        ring_result = timed_row(ring, step, ring_inputs, shape, args)
     except Exception as e:  # noqa: BLE001 - e.g. a length the zig-zag cannot split
         ring.update(status="error", error=short_error(e))
     if ring.get("ms") and single.get("ms"):
@@ -244,30 +272,34 @@ def time_ring(args, shape: Shape, mesh, inputs, single: dict, single_result, rin
             ring["check_error"] = short_error(e)
 
 
-def run_timing(args, shape: Shape, mesh, rec: Recorder) -> None:
+def ring_row(kind: str, shape: Shape, mesh, seq: int, args) -> dict:
+    return {**base_row(kind, RING, mesh.size, shape, seq), "strategy": args.strategy}
+
+
+def run_timing(args, shape: Shape, meshes, rec: Recorder) -> None:
     for i, seq in enumerate(args.seqs):
         single = base_row("time", SINGLE, 1, shape, seq)
-        ring = base_row("time", RING, mesh.size, shape, seq)
+        rings = [ring_row("time", shape, mesh, seq, args) for mesh in meshes]
         if rec.out_of_time():
-            rec.skipped(single)
-            rec.skipped(ring)
+            for row in (single, *rings):
+                rec.skipped(row)
             continue
         try:
             inputs = make_inputs(shape, seq, jax.random.fold_in(jax.random.key(args.seed), i))
         except Exception as e:  # noqa: BLE001 - e.g. out of memory for the inputs themselves
-            for row in (single, ring):
+            for row in (single, *rings):
                 rec.add({**row, "status": "error", "error": "inputs: " + short_error(e)})
             continue
         print(f"  timing {SINGLE} seq={seq_label(seq)} on 1 device ...", flush=True)
         single_result = timed_row(single, make_step(attention_fn(SINGLE, shape.causal)), inputs,
                                   shape, args)
         rec.add(single)
-        if mesh.size < 2:
-            rec.add({**ring, "status": "skipped", "error": "needs at least 2 devices"})
-        elif rec.out_of_time():
-            rec.skipped(ring)
-        else:
-            print(f"  timing {RING} seq={seq_label(seq)} on {mesh.size} devices ...", flush=True)
+        for mesh, ring in zip(meshes, rings):
+            if rec.out_of_time():
+                rec.skipped(ring)
+                continue
+            print(f"  timing {RING} ({args.strategy}) seq={seq_label(seq)} on {mesh.size} "
+                  "device(s) ...", flush=True)
             time_ring(args, shape, mesh, inputs, single, single_result, ring)
             rec.add(ring)
         # Free this length's buffers before the next, longer one.
@@ -311,10 +343,8 @@ def compile_step(step, structs):
         return lowered.compile()
 
 
-def predict(step, structs) -> dict:
-    """XLA's per-device memory analysis of the compiled step."""
-    t0 = time.perf_counter()
-    stats = compile_step(step, structs).memory_analysis()
+def memory_fields(stats) -> dict:
+    """The per-device fields of XLA's memory analysis, and their sum."""
     fields = {name: int(getattr(stats, f"{name}_size_in_bytes"))
               for name in ("argument", "output", "temp", "alias")}
     # Arguments and outputs live through the whole call and temporaries are one allocation,
@@ -322,8 +352,14 @@ def predict(step, structs) -> dict:
     predicted = fields["argument"] + fields["output"] + fields["temp"] - fields["alias"]
     peak = getattr(stats, "peak_memory_in_bytes", None)
     return {**{f"{n}_bytes": b for n, b in fields.items()}, "predicted_bytes": predicted,
-            "xla_peak_bytes": int(peak) if peak else None,
-            "compile_s": time.perf_counter() - t0}
+            "xla_peak_bytes": int(peak) if peak else None}
+
+
+def predict(step, structs) -> dict:
+    """XLA's per-device memory analysis of the compiled step."""
+    t0 = time.perf_counter()
+    stats = compile_step(step, structs).memory_analysis()
+    return {**memory_fields(stats), "compile_s": time.perf_counter() - t0}
 
 
 def run_fit(args, shape: Shape, impl: str, seqs, mesh, rec: Recorder) -> None:
@@ -331,14 +367,12 @@ def run_fit(args, shape: Shape, impl: str, seqs, mesh, rec: Recorder) -> None:
     devices = mesh.size if impl == RING else 1
     used = mesh.devices.flat if impl == RING else jax.devices()[:1]
     limit = device_limit(list(used), args.mem_limit_gib)
-    dtype = DTYPES[shape.dtype]
     too_big = None
     for seq in sorted(seqs):
-        row = {**base_row("fit", impl, devices, shape, seq), "limit_bytes": limit,
-               "method": "XLA compile-time memory_analysis, per device (not run)"}
-        if impl == RING and devices < 2:
-            rec.add({**row, "status": "skipped", "error": "needs at least 2 devices"})
-            continue
+        row = {**(ring_row("fit", shape, mesh, seq, args) if impl == RING
+                  else base_row("fit", impl, devices, shape, seq)),
+               "limit_bytes": limit, "method": "XLA compile-time memory_analysis, per device "
+                                               "(not run)"}
         if too_big is not None:
             # Memory only grows with the length: a longer one cannot fit either.
             rec.add({**row, "status": "skipped", "fits": False,
@@ -347,12 +381,12 @@ def run_fit(args, shape: Shape, impl: str, seqs, mesh, rec: Recorder) -> None:
         if rec.out_of_time():
             rec.skipped(row)
             continue
-        sharding = along_seq(mesh) if impl == RING else None
-        structs = [jax.ShapeDtypeStruct(shape.tokens(seq), dtype, sharding=sharding)] * 4
+        structs = shape.structs(seq, along_seq(mesh) if impl == RING else None)
         print(f"  compiling {impl} seq={seq_label(seq)} on {devices} device(s) for its "
               "memory analysis ...", flush=True)
         try:
-            row.update(predict(make_step(attention_fn(impl, shape.causal, mesh)), structs))
+            step = make_step(attention_fn(impl, shape.causal, mesh, args.strategy))
+            row.update(predict(step, structs))
             row["fits"] = None if limit is None else row["predicted_bytes"] <= limit
         except Exception as e:  # noqa: BLE001
             oom = is_oom(e)
@@ -363,10 +397,91 @@ def run_fit(args, shape: Shape, impl: str, seqs, mesh, rec: Recorder) -> None:
         rec.add(row)
 
 
-def longest_fit(rows, impl: str) -> int | None:
-    fits = [r["seq"] for r in rows if r["kind"] == "fit" and r["impl"] == impl
-            and r.get("fits") is True]
+def longest_fit(rows, impl: str, devices: int | None = None, kind: str = "fit") -> int | None:
+    fits = [r["seq"] for r in rows if r["kind"] == kind and r["impl"] == impl
+            and (devices is None or r["devices"] == devices) and r.get("fits") is True]
     return max(fits, default=None)
+
+
+# ================================================================================================
+# Part 3: longest sequence that runs (one step per length, each in a fresh process)
+# ================================================================================================
+
+CHILD_MARKER = "SCALING_RUN_JSON "
+
+
+def run_child(point: dict) -> dict:
+    """One forward+backward step of `point` (impl, seq, devices, strategy, shape) in this
+    process: the largest per-device `peak_bytes_in_use` of the devices used, or "oom"."""
+    shape = Shape(**point["shape"])
+    used = jax.devices()[:point["devices"]]
+    mesh = make_mesh(used)
+    ring = point["impl"] == RING
+    structs = shape.structs(point["seq"], along_seq(mesh) if ring
+                            else NamedSharding(make_mesh(used[:1]), PartitionSpec()))
+    result = {"status": "ok", "error": None}
+    try:
+        # Made where they live: the ring's inputs are generated shard by shard.
+        make = jax.jit(lambda key: tuple(jax.random.normal(k, x.shape, x.dtype)
+                                         for k, x in zip(jax.random.split(key, 4), structs)),
+                       out_shardings=tuple(x.sharding for x in structs))
+        inputs = make(jax.random.key(0))
+        step = make_step(attention_fn(point["impl"], shape.causal, mesh, point["strategy"]))
+        compiled = compile_step(step, inputs)
+        result.update(memory_fields(compiled.memory_analysis()))
+        t0 = time.perf_counter()
+        jax.block_until_ready(compiled(*inputs))
+        result["step_s"] = time.perf_counter() - t0
+    except Exception as e:  # noqa: BLE001 - an OOM is the answer, anything else a result too
+        result.update(status="oom" if is_oom(e) else "error", error=short_error(e))
+    peaks = [(d.memory_stats() or {}).get("peak_bytes_in_use") for d in used]
+    result["peak_bytes_per_device"] = peaks
+    result["peak_bytes"] = None if None in peaks else max(peaks)
+    return result
+
+
+def run_child_process(point: dict, timeout_s: float) -> dict:
+    """run_child in a fresh process, so that no earlier length's peak is counted."""
+    env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
+    cmd = [sys.executable, os.path.abspath(__file__), "--_run-child", json.dumps(point)]
+    try:
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return {"status": "error", "error": f"timeout after {timeout_s:.0f} s"}
+    for line in reversed(proc.stdout.splitlines()):
+        if line.startswith(CHILD_MARKER):
+            return json.loads(line[len(CHILD_MARKER):])
+    tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+    return {"status": "error", "error": f"exit {proc.returncode}: {tail}"[:300]}
+
+
+def run_measured(args, shape: Shape, impl: str, seqs, mesh, rec: Recorder,
+                 runner=run_child_process) -> None:
+    """Runs one step per length, growing, until the first that fails."""
+    devices = mesh.size if impl == RING else 1
+    used = mesh.devices.flat if impl == RING else jax.devices()[:1]
+    limit = device_limit(list(used), None)
+    failed = None
+    for seq in sorted(seqs):
+        row = {**(ring_row("run", shape, mesh, seq, args) if impl == RING
+                  else base_row("run", impl, devices, shape, seq)),
+               "limit_bytes": limit, "method": "run: one step in a fresh process, "
+                                               "max over devices of peak_bytes_in_use"}
+        if failed is not None:
+            rec.add({**row, "status": "skipped", "fits": False,
+                     "error": f"{seq_label(failed)} did not run"})
+            continue
+        if rec.out_of_time():
+            rec.skipped(row)
+            continue
+        print(f"  running {impl} seq={seq_label(seq)} on {devices} device(s) ...", flush=True)
+        point = {"impl": impl, "seq": seq, "devices": devices, "strategy": args.strategy,
+                 "shape": dataclasses.asdict(shape)}
+        row.update(runner(point, args.child_timeout))
+        row["fits"] = row["status"] == "ok"
+        if not row["fits"]:
+            failed = seq
+        rec.add(row)
 
 
 # ================================================================================================
@@ -397,9 +512,15 @@ def format_row(r: dict) -> str:
     left = f"{r['kind']:<4} {r['impl']:<15} {r['devices']:>2} dev  seq {seq_label(r['seq']):>5}"
     if r["status"] not in ("ok", "oom"):
         return f"{left}  {r['status']}: {r['error']}"
+    if r["kind"] == "run":
+        return (f"{left}  ran {'yes' if r.get('fits') else 'NO'}  peak "
+                f"{_size(r.get('peak_bytes'))}/device (XLA predicted "
+                f"{_size(r.get('predicted_bytes'))}) limit {_size(r.get('limit_bytes'))}"
+                + (f"  {r['error']}" if r.get("error") else ""))
     if r["kind"] == "time":
         line = (f"{left}  {_fmt(r.get('ms'), '.2f'):>9} ms  {_tf(r.get('tflops_total')):>6} TF/s "
-                f"total  {_tf(r.get('tflops_per_gpu')):>6} TF/s/GPU")
+                f"total  {_tf(r.get('tflops_per_gpu')):>6} TF/s/GPU  "
+                f"{_size(r.get('predicted_bytes'))}/device")
         if r["impl"] == RING:
             line += (f"  efficiency {_fmt(r.get('efficiency'), '.2f')}"
                      f"  out err {_fmt(r.get('out_rel_err'), '.1e')}"
@@ -423,7 +544,7 @@ def format_table(rows: list[dict], devices: int) -> str:
     timing = [r for r in rows if r["kind"] == "time"]
     if timing:
         head = (f"{'impl':<15} {'dev':>3} {'seq':>5} {'ms':>10} {'TF/s':>7} {'TF/s/GPU':>8} "
-                f"{'effic.':>6} {'out err':>8} {'match':>5}")
+                f"{'effic.':>6} {'out err':>8} {'match':>5} {'per device':>11}")
         lines += ["forward+backward step (median of timed runs)", head, "-" * len(head)]
         for r in timing:
             left = f"{r['impl']:<15} {r['devices']:>3} {seq_label(r['seq']):>5}"
@@ -434,9 +555,10 @@ def format_table(rows: list[dict], devices: int) -> str:
             lines.append(f"{left} {_fmt(r.get('ms'), '.2f'):>10} {_tf(r.get('tflops_total')):>7} "
                          f"{_tf(r.get('tflops_per_gpu')):>8} {_fmt(r.get('efficiency'), '.2f'):>6} "
                          f"{_fmt(r.get('out_rel_err'), '.1e'):>8} "
-                         f"{'-' if match is None else ('yes' if match else 'NO'):>5}")
-        lines.append(f"efficiency = t_1 / ({devices} * t_{devices}); err = ||ring - one|| / "
-                     "||one|| of the output, in natural order")
+                         f"{'-' if match is None else ('yes' if match else 'NO'):>5} "
+                         f"{_size(r.get('predicted_bytes')):>11}")
+        lines.append("efficiency = t_1 / (P * t_P); err = ||ring - one|| / ||one|| of the "
+                     "output, in natural order; per device: XLA memory analysis of the step")
     fit = [r for r in rows if r["kind"] == "fit"]
     if fit:
         head = (f"{'impl':<15} {'dev':>3} {'seq':>5} {'per device':>11} {'limit':>11} "
@@ -451,9 +573,29 @@ def format_table(rows: list[dict], devices: int) -> str:
             fits = {True: "yes", False: "NO", None: "?"}[r.get("fits")]
             lines.append(f"{left} {_size(r.get('predicted_bytes')):>11} "
                          f"{_size(r.get('limit_bytes')):>11} {fits:>5}")
-        for impl in dict.fromkeys(r["impl"] for r in fit):
-            seq = longest_fit(rows, impl)
-            lines.append(f"longest predicted to fit, {impl}: "
+        for impl, dev in dict.fromkeys((r["impl"], r["devices"]) for r in fit):
+            seq = longest_fit(rows, impl, dev)
+            label = impl if impl == SINGLE else f"{impl} ({dev} dev)"
+            lines.append(f"longest predicted to fit, {label}: "
+                         f"{seq_label(seq) if seq else 'none of those tried'}")
+    run = [r for r in rows if r["kind"] == "run"]
+    if run:
+        head = (f"{'impl':<15} {'dev':>3} {'seq':>5} {'peak/device':>11} {'predicted':>11} "
+                f"{'limit':>11} {'ran':>4}")
+        lines += ["", "longest sequence that runs: one step per length in a fresh process, "
+                  "peak_bytes_in_use (measured)", head, "-" * len(head)]
+        for r in run:
+            left = f"{r['impl']:<15} {r['devices']:>3} {seq_label(r['seq']):>5}"
+            if r["status"] == "skipped":
+                lines.append(f"{left} skipped: {r['error']}")
+                continue
+            lines.append(f"{left} {_size(r.get('peak_bytes')):>11} "
+                         f"{_size(r.get('predicted_bytes')):>11} {_size(r.get('limit_bytes')):>11} "
+                         f"{'yes' if r.get('fits') else 'NO':>4}"
+                         + (f"  {r['status']}: {r['error']}" if r.get("error") else ""))
+        for impl, dev in dict.fromkeys((r["impl"], r["devices"]) for r in run):
+            seq = longest_fit(rows, impl, dev, kind="run")
+            lines.append(f"longest that ran, {impl} ({dev} dev): "
                          f"{seq_label(seq) if seq else 'none of those tried'}")
     lines += [f"script error: {r['error']}" for r in rows if r["kind"] == "script"]
     return "\n".join(lines)
@@ -470,11 +612,18 @@ def parse_seqs(text: str) -> list[int]:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        description="Ring attention over all visible devices against flash_attention on one: "
-                    "time, efficiency, correctness, and the longest sequence that fits.")
+        description="Context-parallel attention over P devices against flash_attention on one: "
+                    "time, efficiency, correctness, per-device memory, and the longest sequence "
+                    "that fits (predicted) and that runs (measured).")
     p.add_argument("--seqs", default=None, help="timed lengths, e.g. 64k,128k (default)")
     p.add_argument("--batch", type=int, default=None, help="default 1")
-    p.add_argument("--heads", type=int, default=None, help="q and kv heads (default 16)")
+    p.add_argument("--heads", type=int, default=None, help="q heads (default 16)")
+    p.add_argument("--kv-heads", type=int, default=None, help="kv heads (default: --heads)")
+    p.add_argument("--devices", default=None,
+                   help="ring sizes P, e.g. 1,2: the ring over the first P devices for each "
+                        "(default: all visible)")
+    p.add_argument("--strategy", choices=("ring", "allgather", "auto"), default="ring",
+                   help="ring_attention's strategy (default ring)")
     p.add_argument("--head-dim", type=int, default=None, help="default 128")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     p.add_argument("--no-causal", dest="causal", action="store_false",
@@ -486,6 +635,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fit-seqs-ring", default=None,
                    help="lengths for the ring's memory prediction (default 2M,4M,8M,16M)")
     p.add_argument("--no-fit", action="store_true", help="skip part 2 (memory prediction)")
+    p.add_argument("--run-fit", action="store_true",
+                   help="part 3: run one step per length, in a fresh process each, until one "
+                        "fails (measured peak memory)")
+    p.add_argument("--run-seqs-1", default=None,
+                   help="lengths part 3 runs on one device (default 512k,1M,2M,3M)")
+    p.add_argument("--run-seqs-ring", default=None,
+                   help="lengths part 3 runs for each P (default 1M,2M,4M,6M)")
+    p.add_argument("--child-timeout", type=float, default=600,
+                   help="seconds allowed to one part-3 step, compile included (default 600)")
+    p.add_argument("--_run-child", dest="run_child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--mem-limit-gib", type=float, default=None,
                    help="compare predictions with this many GiB per device instead of the "
                         "device's bytes_limit")
@@ -511,19 +670,27 @@ def resolve_defaults(args) -> None:
         "iters": 1 if smoke else 5,
         "fit_seqs_1": "256,512" if smoke else "1M,2M,4M,8M",
         "fit_seqs_ring": "512,1k" if smoke else "2M,4M,8M,16M",
+        "run_seqs_1": "256" if smoke else "512k,1M,2M,3M",
+        "run_seqs_ring": "512" if smoke else "1M,2M,4M,6M",
+        "devices": str(len(jax.devices())),
         "time_budget": 600 if smoke else 120,
     }
     for name, value in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
-    for name in ("seqs", "fit_seqs_1", "fit_seqs_ring"):
+    for name in ("seqs", "fit_seqs_1", "fit_seqs_ring", "run_seqs_1", "run_seqs_ring"):
         setattr(args, name, parse_seqs(getattr(args, name)))
+    args.devices = [int(p) for p in str(args.devices).split(",") if p.strip()]
+    if not args.devices or not all(1 <= p <= len(jax.devices()) for p in args.devices):
+        raise SystemExit(f"--devices: ring sizes between 1 and {len(jax.devices())}, got "
+                         f"{args.devices}")
 
 
-def metadata(args, argv, mesh) -> dict:
+def metadata(args, argv) -> dict:
     dev = jax.devices()[0]
     return {
-        "device": dev.device_kind, "backend": jax.default_backend(), "devices": mesh.size,
+        "device": dev.device_kind, "backend": jax.default_backend(),
+        "devices": max(args.devices), "ring_sizes": args.devices, "strategy": args.strategy,
         "jax_version": jax.__version__, "git_commit": git_commit(),
         "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "argv": list(argv), "iters": args.iters, "warmup": args.warmup,
@@ -532,6 +699,8 @@ def metadata(args, argv, mesh) -> dict:
                  "per GPU = that / P; efficiency = t_1 / (P * t_P)",
         "fit_method": "XLA compile-time memory_analysis of the jitted fwd+bwd step, per device: "
                       "argument + output + temp - alias bytes; nothing is run",
+        "run_method": "one step per length in a fresh process; max over the devices used of "
+                      "memory_stats()['peak_bytes_in_use']",
     }
 
 
@@ -539,32 +708,46 @@ def main(argv: list[str] | None = None) -> dict:
     """CLI entry point; returns the dict also written as JSON."""
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
+    if args.run_child is not None:  # part 3's child: one step, one JSON line
+        print(CHILD_MARKER + json.dumps(run_child(json.loads(args.run_child))), flush=True)
+        return {}
     resolve_defaults(args)
-    shape = Shape(args.batch, args.heads, args.head_dim, args.causal, args.dtype)
-    mesh = make_mesh(jax.devices())
-    meta = metadata(args, argv, mesh)
+    shape = Shape(args.batch, args.heads, args.head_dim, args.causal, args.dtype,
+                  args.kv_heads)
+    meshes = [make_mesh(jax.devices()[:p]) for p in args.devices]
+    meta = metadata(args, argv)
     rec = Recorder(meta, args.out, args.time_budget)
-    print(f"{meta['device']} x{mesh.size} ({meta['backend']}), jax {meta['jax_version']}, "
-          f"commit {meta['git_commit']}; B={shape.batch} H={shape.heads} D={shape.head_dim} "
-          f"causal={shape.causal} {shape.dtype}", flush=True)
+    print(f"{meta['device']} x{len(jax.devices())} ({meta['backend']}), jax "
+          f"{meta['jax_version']}, commit {meta['git_commit']}; B={shape.batch} H={shape.heads} "
+          f"KV={shape.kv_heads or shape.heads} D={shape.head_dim} causal={shape.causal} "
+          f"{shape.dtype}; ring sizes {args.devices}, strategy {args.strategy}", flush=True)
 
-    parts = [lambda: run_timing(args, shape, mesh, rec)]
+    one = make_mesh(jax.devices()[:1])
+    parts = [lambda: run_timing(args, shape, meshes, rec)]
     if not args.no_fit:
         parts += [lambda: print("memory prediction: XLA compile-time memory_analysis per "
                                 "device; these lengths are compiled, NOT run", flush=True),
-                  lambda: run_fit(args, shape, SINGLE, args.fit_seqs_1, mesh, rec),
-                  lambda: run_fit(args, shape, RING, args.fit_seqs_ring, mesh, rec)]
+                  lambda: run_fit(args, shape, SINGLE, args.fit_seqs_1, one, rec)]
+        parts += [functools.partial(run_fit, args, shape, RING, args.fit_seqs_ring, mesh, rec)
+                  for mesh in meshes]
+    if args.run_fit:
+        parts += [lambda: run_measured(args, shape, SINGLE, args.run_seqs_1, one, rec)]
+        parts += [functools.partial(run_measured, args, shape, RING, args.run_seqs_ring, mesh,
+                                    rec) for mesh in meshes]
     for part in parts:
         try:
             part()
         except Exception as e:  # noqa: BLE001 - a bug here must not cost the other parts
-            rec.add({"kind": "script", "impl": "-", "devices": mesh.size, "seq": 0,
+            rec.add({"kind": "script", "impl": "-", "devices": max(args.devices), "seq": 0,
                      "status": "error", "error": short_error(e)})
 
     meta["total_s"] = round(time.perf_counter() - rec.start, 1)
-    meta["longest_fit"] = {impl: longest_fit(rec.rows, impl) for impl in (SINGLE, RING)}
+    meta["longest_fit"] = {SINGLE: longest_fit(rec.rows, SINGLE), **{
+        f"{RING} P={p}": longest_fit(rec.rows, RING, p) for p in args.devices}}
+    meta["longest_run"] = {SINGLE: longest_fit(rec.rows, SINGLE, kind="run"), **{
+        f"{RING} P={p}": longest_fit(rec.rows, RING, p, kind="run") for p in args.devices}}
     rec.save(complete=True)
-    print(f"\njson: {rec.path}\n{format_table(rec.rows, mesh.size)}", flush=True)
+    print(f"\njson: {rec.path}\n{format_table(rec.rows, max(args.devices))}", flush=True)
     return {"meta": meta, "complete": True, "rows": rec.rows, "path": rec.path}
 
 

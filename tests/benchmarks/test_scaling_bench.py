@@ -5,6 +5,7 @@ against one device and compiles the memory predictions, in-process (interpret mo
 once per module; the tests read its rows.
 """
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -61,6 +62,9 @@ def test_smoke_times_are_finite_and_positive(smoke):
             assert math.isfinite(row[name]) and row[name] > 0, (name, row[name])
         assert len(row["times_ms"]) == 1 and all(t > 0 for t in row["times_ms"])
     assert ring["tflops_per_gpu"] == pytest.approx(ring["tflops_total"] / NUM_DEVICES)
+    # The timed step's own memory analysis: each ring device holds 1/P of the inputs.
+    assert ring["argument_bytes"] * NUM_DEVICES == single["argument_bytes"]
+    assert ring["strategy"] == "ring" and ring["predicted_bytes"] > 0
     assert ring["efficiency"] == pytest.approx(single["ms"] / (NUM_DEVICES * ring["ms"]))
 
 
@@ -116,3 +120,49 @@ def test_spent_time_budget_gives_skipped_rows(scaling, tmp_path):
     rows = scaling.main(["--smoke", "--time-budget", "0", "--out", str(tmp_path)])["rows"]
     assert len(rows) == 6
     assert all(r["status"] == "skipped" and "budget" in r["error"] for r in rows)
+
+
+def test_devices_option(scaling):
+    """--devices lists the ring sizes; each must fit the visible devices."""
+    args = scaling.build_parser().parse_args(["--smoke", "--devices", "1,2"])
+    scaling.resolve_defaults(args)
+    assert args.devices == [1, 2]
+    args = scaling.build_parser().parse_args(["--smoke", "--devices", str(NUM_DEVICES + 1)])
+    with pytest.raises(SystemExit, match="--devices"):
+        scaling.resolve_defaults(args)
+
+
+def test_run_child_runs_the_one_device_ring(scaling):
+    """Part 3's child: one step of the P=1 ring (what one GPU can show), with its memory
+    analysis; the CPU reports no peak."""
+    shape = scaling.Shape(batch=1, heads=2, head_dim=32, causal=True, dtype="fp32")
+    row = scaling.run_child({"impl": scaling.RING, "seq": 64, "devices": 1, "strategy": "ring",
+                             "shape": dataclasses.asdict(shape)})
+    assert row["status"] == "ok", row["error"]
+    assert row["step_s"] > 0 and row["argument_bytes"] == 4 * 64 * 2 * 32 * 4
+    if jax.default_backend() == "cpu":
+        assert row["peak_bytes"] is None
+
+
+def test_run_fit_stops_at_the_first_length_that_fails(scaling, tmp_path):
+    """Lengths run in order until one fails; longer ones are skipped, and the table names the
+    longest that ran for each ring size."""
+    args = scaling.build_parser().parse_args(["--smoke", "--devices", "2"])
+    scaling.resolve_defaults(args)
+    shape = scaling.Shape(args.batch, args.heads, args.head_dim, args.causal, args.dtype)
+    rec = scaling.Recorder({}, str(tmp_path), budget_s=600)
+    ran = []
+
+    def runner(point, timeout_s):
+        ran.append((point["impl"], point["devices"], point["seq"]))
+        if point["seq"] > 512:
+            return {"status": "oom", "error": "RESOURCE_EXHAUSTED", "peak_bytes": None}
+        return {"status": "ok", "error": None, "peak_bytes": point["seq"] * 1000}
+
+    mesh = scaling.make_mesh(jax.devices()[:2])
+    scaling.run_measured(args, shape, scaling.RING, [256, 512, 1024, 2048], mesh, rec, runner)
+    assert ran == [(scaling.RING, 2, 256), (scaling.RING, 2, 512), (scaling.RING, 2, 1024)]
+    assert [(r["seq"], r["status"], r["fits"]) for r in rec.rows] == [
+        (256, "ok", True), (512, "ok", True), (1024, "oom", False), (2048, "skipped", False)]
+    table = scaling.format_table(rec.rows, 2)
+    assert "longest that ran, ring_attention (2 dev): 512" in table
