@@ -73,6 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
     dec.add_argument("--decode-budget", type=float, default=540.0,
                      help="seconds the cases may take: no cache shape is started that would "
                           "likely end later (default 540)")
+    dec.add_argument("--decode-compile-workers", type=int, default=None,
+                     help="threads compiling a cache shape's functions before they are timed "
+                          "(default 8 on a GPU, 1 else)")
     dec.add_argument("--decode-copy-mib", type=int, default=None,
                      help="MiB of the copy-bandwidth buffer (default 4096 on a GPU, 64 else)")
     p.add_argument("--child-timeout", type=float, default=900.0,
@@ -306,6 +309,8 @@ def main(argv: list[str] | None = None) -> dict:
             args.iters = 1 if args.smoke else 10
         if args.decode_page_size is None:
             args.decode_page_size = decode.SMOKE_PAGE_SIZE if args.smoke else decode.PAGE_SIZE
+        if args.decode_compile_workers is None:
+            args.decode_compile_workers = 8 if jax.default_backend() == "gpu" else 1
     resolve_defaults(args)
     explicit_impls = parse_impls(args.impls, parser)
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")

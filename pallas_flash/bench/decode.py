@@ -19,15 +19,17 @@ bottom-right boolean mask, since its ``is_causal`` is top-left), and tokamax's
 with the reason. Accuracy: each output's first sequence against a float32 reference.
 
 Cases are grouped by cache shape: one group's caches are made once and serve every head count
-and q_len; compiled functions are reused wherever shapes repeat. ``--decode-budget`` seconds
+and q_len. Each case is a new shape to compile, and compiling takes far longer than the calls,
+so a group's functions are compiled ahead of time, in parallel (``--decode-compile-workers``),
+before any of them is timed. ``--decode-budget`` seconds
 bound the run: groups that would not end by then are listed as skipped, and the JSON, rewritten after
 every group, says the run is incomplete.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
-import functools
 import statistics
 import time
 from typing import Any, Callable
@@ -170,13 +172,6 @@ IMPLS: dict[str, Callable] = {**{name: _ours(b) for name, b in OURS.items()},
                               "tokamax": _tokamax}
 
 
-@functools.cache
-def _jitted(name: str) -> Callable:
-    # One jitted function per implementation for the whole run: its compilations are cached by
-    # shape, so a case whose shapes repeat does not compile again.
-    return jax.jit(IMPLS[name])
-
-
 def decode_impls(explicit: list[str] | None) -> list[str]:
     """pallas_flash and every comparator, plus the forced backends --impls names."""
     extra = [n for n in explicit or [] if n in OURS and n != "pallas_flash"]
@@ -240,41 +235,84 @@ def _reference_first(q, k, v, kv_lengths):
         kv_lengths=kv_lengths[:1])
 
 
-def _time(name: str, args: tuple, opts) -> tuple[dict, Any]:
+def compile_all(jobs: dict, workers: int) -> dict:
+    """{key: compiled function, or the exception its tracing or compilation raised} for jobs
+    {key: (implementation name, argument shapes)}, compiled ahead of time by `workers` threads.
+
+    Every case is a new shape, so compilation, not the millisecond calls, is most of the run's
+    time; XLA and the Triton and Mosaic GPU compilers release the GIL for most of it."""
+    def one(job):
+        name, structs = job
+        try:
+            return jax.jit(IMPLS[name]).lower(*structs).compile()
+        except Exception as e:  # noqa: BLE001 - reported as the row's result
+            return e
+
+    if workers <= 1:
+        return {key: one(job) for key, job in jobs.items()}
+    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+        return dict(zip(jobs, pool.map(one, jobs.values())))
+
+
+def _time(fn, args: tuple, opts) -> tuple[dict, Any]:
     try:
-        times, out = time_calls(_jitted(name), args, opts.iters, opts.warmup, opts.pipelined)
+        if isinstance(fn, Exception):
+            raise fn
+        times, out = time_calls(fn, args, opts.iters, opts.warmup, opts.pipelined)
     except NotApplicable as e:
         return {"status": "n.a.", "error": str(e)}, None
+    except NotImplementedError as e:  # jax.nn's cuDNN path declining a shape
+        return {"status": "n.a.", "error": short_error(e)}, None
     except Exception as e:  # noqa: BLE001 - any failure is a result
         return {"status": "error", "error": short_error(e)}, None
     return {"status": "ok", "error": None, "times_ms": [t * 1e3 for t in times],
             "ms": statistics.median(times) * 1e3}, out
 
 
-def run_group(group: Group, impls: list[str], opts, copy_gbps: float, key) -> list[dict]:
-    """Every case of one cache shape: all q_heads and q_lens, contiguous then paged."""
+def run_group(group: Group, impls: list[str], opts, copy_gbps: float, key) -> dict:
+    """Every case of one cache shape: all q_heads and q_lens, contiguous then paged.
+
+    Returns {"rows": [...], "compile_s", "seconds"}."""
+    start = time.perf_counter()
     dtype, itemsize = opts.dtype, jnp.dtype(opts.dtype).itemsize
-    k_cache, v_cache = make_cache(group, dtype, jax.random.fold_in(key, 0))
-    lengths = jnp.full((group.batch,), group.context, jnp.int32)
-    kv_bytes = int(lengths.sum()) * group.kv_heads * group.head_dim * 2 * itemsize
+    b, c, hkv, d = group.batch, group.context, group.kv_heads, group.head_dim
+    pages = -(-c // opts.page_size)
     cases = [(hq, q_len) for hq in group.q_heads for q_len in opts.q_lens]
-    queries = {c: jax.random.normal(jax.random.fold_in(key, 1 + i),
-                                    (group.batch, c[1], c[0], group.head_dim),
-                                    jnp.float32).astype(dtype) for i, c in enumerate(cases)}
+    shape = jax.ShapeDtypeStruct
+    lengths_s, table_s = shape((b,), jnp.int32), shape((b, pages), jnp.int32)
+    caches_s = {"contiguous": (shape((b, c, hkv, d), dtype),) * 2,
+                "paged": (shape((b * pages, opts.page_size, hkv, d), dtype),) * 2}
+    jobs = {}
+    for hq, q_len in cases:
+        q_s = shape((b, q_len, hq, d), dtype)
+        for layout in LAYOUTS:
+            for name in (n for n in impls if layout == "contiguous" or n in OURS):
+                jobs[hq, q_len, layout, name] = (name, (q_s, *caches_s[layout], lengths_s,
+                                                        table_s if layout == "paged" else None))
+    compiled = compile_all(jobs, opts.compile_workers)
+    compile_s = time.perf_counter() - start
+
+    k_cache, v_cache = make_cache(group, dtype, jax.random.fold_in(key, 0))
+    lengths = jnp.full((b,), c, jnp.int32)
+    kv_bytes = int(lengths.sum()) * hkv * d * 2 * itemsize
+    queries = {case: jax.random.normal(jax.random.fold_in(key, 1 + i), (b, case[1], case[0], d),
+                                       jnp.float32).astype(dtype)
+               for i, case in enumerate(cases)}
     rows, outputs = [], {}
 
-    def record(hq, q_len, layout, name, fields, out, ref):
-        row = {"batch": group.batch, "context": group.context, "q_len": q_len,
-               "q_heads": hq, "kv_heads": group.kv_heads, "head_dim": group.head_dim,
-               "layout": layout, "page_size": opts.page_size if layout == "paged" else None,
+    def record(hq, q_len, layout, name, args, ref):
+        fields, out = _time(compiled[hq, q_len, layout, name], args, opts)
+        row = {"batch": b, "context": c, "q_len": q_len, "q_heads": hq, "kv_heads": hkv,
+               "head_dim": d, "layout": layout,
+               "page_size": opts.page_size if layout == "paged" else None,
                "dtype": opts.dtype_name, "impl": name, "kv_bytes": kv_bytes, **fields}
         ms = row.get("ms")
         row["gbps"] = kv_bytes / (ms * 1e-3) / 1e9 if ms and ms > 0 else None
         row["frac_of_copy"] = row["gbps"] / copy_gbps if row["gbps"] and copy_gbps else None
         row["err_vs_ref"] = rel_err(out[:1], ref) if out is not None else None
         outputs[hq, q_len, layout, name] = out
-        print(f"  {group.batch}x{seq_label(group.context)} q_len {q_len} {hq}:"
-              f"{group.kv_heads} {layout} {name}: " + progress(row), flush=True)
+        print(f"  {b}x{seq_label(c)} q_len {q_len} {hq}:{hkv} {layout} {name}: "
+              + progress(row), flush=True)
         rows.append(row)
 
     refs = {}
@@ -282,22 +320,20 @@ def run_group(group: Group, impls: list[str], opts, copy_gbps: float, key) -> li
         q = queries[hq, q_len]
         refs[hq, q_len] = _reference_first(q, k_cache, v_cache, lengths)
         for name in impls:
-            fields, out = _time(name, (q, k_cache, v_cache, lengths, None), opts)
-            record(hq, q_len, "contiguous", name, fields, out, refs[hq, q_len])
+            record(hq, q_len, "contiguous", name, (q, k_cache, v_cache, lengths, None),
+                   refs[hq, q_len])
 
     # The paged pool replaces the contiguous cache, so at most two copies are ever alive.
-    pages = -(-group.context // opts.page_size)
-    perm = np.random.default_rng(opts.seed).permutation(group.batch * pages)
-    table = jnp.asarray(perm.reshape(group.batch, pages).astype(np.int32))
+    perm = np.random.default_rng(opts.seed).permutation(b * pages)
+    table = jnp.asarray(perm.reshape(b, pages).astype(np.int32))
     k_pool, v_pool = page(k_cache, opts.page_size, perm), page(v_cache, opts.page_size, perm)
     del k_cache, v_cache
     for hq, q_len in cases:
         for name in (n for n in impls if n in OURS):
-            fields, out = _time(name, (queries[hq, q_len], k_pool, v_pool, lengths, table),
-                                opts)
-            record(hq, q_len, "paged", name, fields, out, refs[hq, q_len])
+            record(hq, q_len, "paged", name, (queries[hq, q_len], k_pool, v_pool, lengths, table),
+                   refs[hq, q_len])
     add_comparisons(rows, outputs)
-    return rows
+    return {"rows": rows, "compile_s": compile_s, "seconds": time.perf_counter() - start}
 
 
 def add_comparisons(rows: list[dict], outputs: dict) -> None:
@@ -341,6 +377,7 @@ class Options:
     page_size: int
     q_lens: tuple[int, ...]
     seed: int
+    compile_workers: int
 
 
 def run_decode(args, groups: list[Group], impls: list[str], on_group=None) -> dict:
@@ -352,7 +389,7 @@ def run_decode(args, groups: list[Group], impls: list[str], on_group=None) -> di
     start = time.perf_counter()
     opts = Options(DTYPES[args.dtype], args.dtype, args.iters, args.warmup,
                    args.timer == "pipelined", args.decode_page_size, tuple(args.decode_q_lens),
-                   args.seed)
+                   args.seed, args.decode_compile_workers)
     on_gpu = jax.default_backend() == "gpu"
     copy_bytes = args.decode_copy_mib << 20 if args.decode_copy_mib else (
         COPY_BYTES_GPU if on_gpu else COPY_BYTES_CPU)
@@ -362,7 +399,8 @@ def run_decode(args, groups: list[Group], impls: list[str], on_group=None) -> di
     section = {"copy": copy, "page_size": opts.page_size, "q_lens": list(opts.q_lens),
                "impls": impls, "budget_s": args.decode_budget,
                "bytes": "sum over sequences of kv_len * kv_heads * head_dim * 2 * itemsize",
-               "rows": [], "skipped": []}
+               "compile_workers": opts.compile_workers, "rows": [], "groups": [],
+               "skipped": []}
     if on_group:
         on_group(section)
     key = jax.random.key(args.seed)
@@ -375,10 +413,11 @@ def run_decode(args, groups: list[Group], impls: list[str], on_group=None) -> di
             print(f"budget of {args.decode_budget:.0f} s: {len(groups) - i} cache shapes "
                   "skipped", flush=True)
             break
-        t0 = time.perf_counter()
-        section["rows"] += run_group(group, impls, opts, copy["gbps"],
-                                     jax.random.fold_in(key, i))
-        last = time.perf_counter() - t0
+        done = run_group(group, impls, opts, copy["gbps"], jax.random.fold_in(key, i))
+        section["rows"] += done.pop("rows")
+        section["groups"].append({**dataclasses.asdict(group), **done})
+        print(f"  ({done['seconds']:.1f} s, compiling {done['compile_s']:.1f} s)", flush=True)
+        last = done["seconds"]
         if on_group:
             on_group(section)
     section["seconds"] = time.perf_counter() - start

@@ -23,8 +23,10 @@ from pallas_flash.bench.__main__ import main
 @pytest.fixture(scope="module")
 def smoke(tmp_path_factory):
     out = tmp_path_factory.mktemp("decode")
+    # Two compile threads: the threaded ahead-of-time compilation a GPU run uses.
     result = main(["--decode", "--smoke", "--out", str(out), "--timer", "call",
-                   "--impls", "pallas_flash,cudnn", "--decode-copy-mib", "8"])
+                   "--impls", "pallas_flash,cudnn", "--decode-copy-mib", "8",
+                   "--decode-compile-workers", "2"])
     (path,) = [os.path.join(out, f) for f in os.listdir(out) if f.endswith(".json")]
     return result, path
 
@@ -42,6 +44,9 @@ def test_smoke_run_rows_and_bandwidth(smoke):
     assert section["page_size"] == decode.SMOKE_PAGE_SIZE and section["q_lens"] == [1, 4]
     # --impls pallas_flash,cudnn still brings the XLA and tokamax comparators.
     assert section["impls"] == ["pallas_flash", "xla", "cudnn", "tokamax"]
+    (group,) = section["groups"]
+    assert group["batch"] == decode.SMOKE_CASES[0][0] and section["compile_workers"] == 2
+    assert 0 < group["compile_s"] < group["seconds"]
     rows = section["rows"]
     by = {(r["q_len"], r["layout"], r["impl"]): r for r in rows}
     assert len(by) == len(rows) == 2 * 4 + 2 * 1  # comparators on the contiguous cache only
