@@ -362,39 +362,48 @@ def predict(step, structs) -> dict:
     return {**memory_fields(stats), "compile_s": time.perf_counter() - t0}
 
 
-def run_fit(args, shape: Shape, impl: str, seqs, mesh, rec: Recorder) -> None:
-    """Compile-only memory prediction for growing seqs; stops at the first that does not fit."""
+def growing(kind: str, method: str, args, shape: Shape, impl: str, seqs, mesh, rec: Recorder,
+            limit_gib=None):
+    """(row, seq) for each length in increasing order, until the caller sets row["fits"] to
+    False: longer lengths, and those past the time budget, get their skipped rows here."""
     devices = mesh.size if impl == RING else 1
     used = mesh.devices.flat if impl == RING else jax.devices()[:1]
-    limit = device_limit(list(used), args.mem_limit_gib)
+    limit = device_limit(list(used), limit_gib)
     too_big = None
     for seq in sorted(seqs):
-        row = {**(ring_row("fit", shape, mesh, seq, args) if impl == RING
-                  else base_row("fit", impl, devices, shape, seq)),
-               "limit_bytes": limit, "method": "XLA compile-time memory_analysis, per device "
-                                               "(not run)"}
+        row = {**(ring_row(kind, shape, mesh, seq, args) if impl == RING
+                  else base_row(kind, impl, devices, shape, seq)),
+               "limit_bytes": limit, "method": method}
         if too_big is not None:
             # Memory only grows with the length: a longer one cannot fit either.
             rec.add({**row, "status": "skipped", "fits": False,
                      "error": f"{seq_label(too_big)} did not fit"})
-            continue
-        if rec.out_of_time():
+        elif rec.out_of_time():
             rec.skipped(row)
-            continue
+        else:
+            yield row, seq
+            if row.get("fits") is False:
+                too_big = seq
+            rec.add(row)
+
+
+def run_fit(args, shape: Shape, impl: str, seqs, mesh, rec: Recorder) -> None:
+    """Compile-only memory prediction for growing seqs; stops at the first that does not fit."""
+    devices = mesh.size if impl == RING else 1
+    for row, seq in growing("fit", "XLA compile-time memory_analysis, per device (not run)",
+                            args, shape, impl, seqs, mesh, rec, args.mem_limit_gib):
         structs = shape.structs(seq, along_seq(mesh) if impl == RING else None)
         print(f"  compiling {impl} seq={seq_label(seq)} on {devices} device(s) for its "
               "memory analysis ...", flush=True)
         try:
             step = make_step(attention_fn(impl, shape.causal, mesh, args.strategy))
             row.update(predict(step, structs))
+            limit = row["limit_bytes"]
             row["fits"] = None if limit is None else row["predicted_bytes"] <= limit
         except Exception as e:  # noqa: BLE001
             oom = is_oom(e)
             row.update(status="oom" if oom else "error", error=short_error(e),
                        fits=False if oom else None)
-        if row.get("fits") is False:
-            too_big = seq
-        rec.add(row)
 
 
 def longest_fit(rows, impl: str, devices: int | None = None, kind: str = "fit") -> int | None:
@@ -459,29 +468,13 @@ def run_measured(args, shape: Shape, impl: str, seqs, mesh, rec: Recorder,
                  runner=run_child_process) -> None:
     """Runs one step per length, growing, until the first that fails."""
     devices = mesh.size if impl == RING else 1
-    used = mesh.devices.flat if impl == RING else jax.devices()[:1]
-    limit = device_limit(list(used), None)
-    failed = None
-    for seq in sorted(seqs):
-        row = {**(ring_row("run", shape, mesh, seq, args) if impl == RING
-                  else base_row("run", impl, devices, shape, seq)),
-               "limit_bytes": limit, "method": "run: one step in a fresh process, "
-                                               "max over devices of peak_bytes_in_use"}
-        if failed is not None:
-            rec.add({**row, "status": "skipped", "fits": False,
-                     "error": f"{seq_label(failed)} did not run"})
-            continue
-        if rec.out_of_time():
-            rec.skipped(row)
-            continue
+    for row, seq in growing("run", "run: one step in a fresh process, max over devices of "
+                            "peak_bytes_in_use", args, shape, impl, seqs, mesh, rec):
         print(f"  running {impl} seq={seq_label(seq)} on {devices} device(s) ...", flush=True)
         point = {"impl": impl, "seq": seq, "devices": devices, "strategy": args.strategy,
                  "shape": dataclasses.asdict(shape)}
         row.update(runner(point, args.child_timeout))
         row["fits"] = row["status"] == "ok"
-        if not row["fits"]:
-            failed = seq
-        rec.add(row)
 
 
 # ================================================================================================
