@@ -7,7 +7,10 @@ figure of merit is the bandwidth it achieves:
     GB/s     = kv_bytes / time,   % of copy = GB/s / the copy bandwidth of the same run
 
 The copy bandwidth is that of a jitted elementwise ``x + 1`` over a large buffer (4 GiB on a
-GPU), counting its read and its write. Every sequence of a case is full (kv_len = context), and
+GPU), counting its read and its write. A call's time is that of a jitted program of several
+calls divided by their number: a small case's call is shorter than a program's launch from
+the host. The calls cycle over copies of the cache too large together for the L2 cache, so each
+reads its K/V from HBM, as in a model whose layers each read their own cache. Every sequence of a case is full (kv_len = context), and
 its queries are the q_len newest tokens, aligned bottom-right.
 
 Each case runs ``pallas_flash.decode_attention`` on a contiguous cache and on a paged one (the
@@ -67,6 +70,18 @@ _GROWTH = 1.5
 # Keys generated at random per group; longer caches repeat them (the bandwidth does not care,
 # and generating 17 GB of normal samples would cost more time than the case itself).
 _RANDOM_KEYS = 4096
+# A timed program reads about this many K/V bytes: one call of a small case lasts a few
+# microseconds, less than launching a program from the host, so a program makes several calls
+# (each on its own query argument, so that XLA cannot merge them) and the time is divided.
+PROGRAM_BYTES = 1 << 30
+MAX_CALLS = 64
+# Consecutive calls cycle over copies of the cache that together hold at least this many bytes,
+# several times the H200's 50 MB L2, so that a call finds none of its K/V in L2, as in a model
+# where every layer reads its own cache.
+ROTATE_BYTES = 256 << 20
+MAX_COPIES = 8
+# Interpret mode on a CPU: two calls over two copies for the smoke case, to exercise both.
+CPU_PROGRAM_BYTES = CPU_ROTATE_BYTES = 256 << 10
 
 
 @dataclasses.dataclass(frozen=True)
@@ -227,6 +242,11 @@ def page(cache: jax.Array, page_size: int, perm: np.ndarray) -> jax.Array:
     return flat[np.argsort(perm)]
 
 
+def _copies(k: jax.Array, v: jax.Array, copies: int) -> tuple:
+    """((k, v), then copies - 1 (k, v) pairs in buffers of their own)."""
+    return ((k, v),) + tuple((jnp.copy(k), jnp.copy(v)) for _ in range(copies - 1))
+
+
 @jax.jit
 def _reference_first(q, k, v, kv_lengths):
     # Float32 reference of sequence 0 only: cheap at any batch.
@@ -235,16 +255,35 @@ def _reference_first(q, k, v, kv_lengths):
         kv_lengths=kv_lengths[:1])
 
 
+def calls_and_copies(kv_bytes: int, program_bytes: int = PROGRAM_BYTES,
+                     rotate_bytes: int = ROTATE_BYTES) -> tuple[int, int]:
+    """(calls per timed program, copies of the cache they cycle over) for one call's bytes."""
+    calls = min(MAX_CALLS, max(1, -(-program_bytes // kv_bytes)))
+    return calls, min(calls, MAX_COPIES, max(1, -(-rotate_bytes // kv_bytes)))
+
+
+def program(name: str, calls: int) -> Callable:
+    """fn(qs, caches, kv_lengths, block_table) -> outs: `calls` calls of an implementation,
+    call i on query qs[i] and cache copy caches[i % len(caches)] (a (k, v) pair)."""
+    fn = IMPLS[name]
+
+    def run(qs, caches, kv_lengths, block_table):
+        return tuple(fn(qs[i], *caches[i % len(caches)], kv_lengths, block_table)
+                     for i in range(calls))
+    return run
+
+
 def compile_all(jobs: dict, workers: int) -> dict:
-    """{key: compiled function, or the exception its tracing or compilation raised} for jobs
-    {key: (implementation name, argument shapes)}, compiled ahead of time by `workers` threads.
+    """{key: compiled program, or the exception its tracing or compilation raised} for jobs
+    {key: (implementation name, calls, argument shapes)}, compiled ahead of time by `workers`
+    threads.
 
     Every case is a new shape, so compilation, not the millisecond calls, is most of the run's
     time; XLA and the Triton and Mosaic GPU compilers release the GIL for most of it."""
     def one(job):
-        name, structs = job
+        name, calls, structs = job
         try:
-            return jax.jit(IMPLS[name]).lower(*structs).compile()
+            return jax.jit(program(name, calls)).lower(*structs).compile()
         except Exception as e:  # noqa: BLE001 - reported as the row's result
             return e
 
@@ -254,11 +293,13 @@ def compile_all(jobs: dict, workers: int) -> dict:
         return dict(zip(jobs, pool.map(one, jobs.values())))
 
 
-def _time(fn, args: tuple, opts) -> tuple[dict, Any]:
+def _time(fn, args: tuple, calls: int, opts) -> tuple[dict, Any]:
+    """Row fields (the time of one call) and the output of the last call."""
     try:
         if isinstance(fn, Exception):
             raise fn
-        times, out = time_calls(fn, args, opts.iters, opts.warmup, opts.pipelined)
+        times, outs = time_calls(fn, args, opts.iters, opts.warmup, opts.pipelined)
+        times, out = [t / calls for t in times], outs[-1]
     except NotApplicable as e:
         return {"status": "n.a.", "error": str(e)}, None
     except NotImplementedError as e:  # jax.nn's cuDNN path declining a shape
@@ -278,34 +319,37 @@ def run_group(group: Group, impls: list[str], opts, copy_gbps: float, key) -> di
     b, c, hkv, d = group.batch, group.context, group.kv_heads, group.head_dim
     pages = -(-c // opts.page_size)
     cases = [(hq, q_len) for hq in group.q_heads for q_len in opts.q_lens]
+    kv_bytes = b * c * hkv * d * 2 * itemsize  # every sequence full
+    calls, copies = calls_and_copies(kv_bytes, *opts.program_and_rotate_bytes)
     shape = jax.ShapeDtypeStruct
     lengths_s, table_s = shape((b,), jnp.int32), shape((b, pages), jnp.int32)
-    caches_s = {"contiguous": (shape((b, c, hkv, d), dtype),) * 2,
-                "paged": (shape((b * pages, opts.page_size, hkv, d), dtype),) * 2}
+    caches_s = {"contiguous": ((shape((b, c, hkv, d), dtype),) * 2,) * copies,
+                "paged": ((shape((b * pages, opts.page_size, hkv, d), dtype),) * 2,) * copies}
     jobs = {}
     for hq, q_len in cases:
-        q_s = shape((b, q_len, hq, d), dtype)
+        qs_s = (shape((b, q_len, hq, d), dtype),) * calls
         for layout in LAYOUTS:
             for name in (n for n in impls if layout == "contiguous" or n in OURS):
-                jobs[hq, q_len, layout, name] = (name, (q_s, *caches_s[layout], lengths_s,
-                                                        table_s if layout == "paged" else None))
+                jobs[hq, q_len, layout, name] = (name, calls, (
+                    qs_s, caches_s[layout], lengths_s, table_s if layout == "paged" else None))
     compiled = compile_all(jobs, opts.compile_workers)
     compile_s = time.perf_counter() - start
 
     k_cache, v_cache = make_cache(group, dtype, jax.random.fold_in(key, 0))
     lengths = jnp.full((b,), c, jnp.int32)
-    kv_bytes = int(lengths.sum()) * hkv * d * 2 * itemsize
     queries = {case: jax.random.normal(jax.random.fold_in(key, 1 + i), (b, case[1], case[0], d),
                                        jnp.float32).astype(dtype)
                for i, case in enumerate(cases)}
     rows, outputs = [], {}
 
-    def record(hq, q_len, layout, name, args, ref):
-        fields, out = _time(compiled[hq, q_len, layout, name], args, opts)
+    def record(hq, q_len, layout, name, caches, table, ref):
+        args = ((queries[hq, q_len],) * calls, caches, lengths, table)
+        fields, out = _time(compiled[hq, q_len, layout, name], args, calls, opts)
         row = {"batch": b, "context": c, "q_len": q_len, "q_heads": hq, "kv_heads": hkv,
                "head_dim": d, "layout": layout,
                "page_size": opts.page_size if layout == "paged" else None,
-               "dtype": opts.dtype_name, "impl": name, "kv_bytes": kv_bytes, **fields}
+               "dtype": opts.dtype_name, "impl": name, "kv_bytes": kv_bytes,
+               "calls_per_program": calls, "cache_copies": copies, **fields}
         ms = row.get("ms")
         row["gbps"] = kv_bytes / (ms * 1e-3) / 1e9 if ms and ms > 0 else None
         row["frac_of_copy"] = row["gbps"] / copy_gbps if row["gbps"] and copy_gbps else None
@@ -315,23 +359,22 @@ def run_group(group: Group, impls: list[str], opts, copy_gbps: float, key) -> di
               + progress(row), flush=True)
         rows.append(row)
 
-    refs = {}
+    refs = {case: _reference_first(queries[case], k_cache, v_cache, lengths) for case in cases}
+    caches = _copies(k_cache, v_cache, copies)
     for hq, q_len in cases:
-        q = queries[hq, q_len]
-        refs[hq, q_len] = _reference_first(q, k_cache, v_cache, lengths)
         for name in impls:
-            record(hq, q_len, "contiguous", name, (q, k_cache, v_cache, lengths, None),
-                   refs[hq, q_len])
+            record(hq, q_len, "contiguous", name, caches, None, refs[hq, q_len])
 
-    # The paged pool replaces the contiguous cache, so at most two copies are ever alive.
+    # The paged pools replace the contiguous caches, so at most two sets are ever alive.
     perm = np.random.default_rng(opts.seed).permutation(b * pages)
     table = jnp.asarray(perm.reshape(b, pages).astype(np.int32))
     k_pool, v_pool = page(k_cache, opts.page_size, perm), page(v_cache, opts.page_size, perm)
-    del k_cache, v_cache
+    del k_cache, v_cache, caches
+    caches = _copies(k_pool, v_pool, copies)
+    del k_pool, v_pool
     for hq, q_len in cases:
         for name in (n for n in impls if n in OURS):
-            record(hq, q_len, "paged", name, (queries[hq, q_len], k_pool, v_pool, lengths, table),
-                   refs[hq, q_len])
+            record(hq, q_len, "paged", name, caches, table, refs[hq, q_len])
     add_comparisons(rows, outputs)
     return {"rows": rows, "compile_s": compile_s, "seconds": time.perf_counter() - start}
 
@@ -378,6 +421,7 @@ class Options:
     q_lens: tuple[int, ...]
     seed: int
     compile_workers: int
+    program_and_rotate_bytes: tuple[int, int]
 
 
 def run_decode(args, groups: list[Group], impls: list[str], on_group=None) -> dict:
@@ -389,7 +433,9 @@ def run_decode(args, groups: list[Group], impls: list[str], on_group=None) -> di
     start = time.perf_counter()
     opts = Options(DTYPES[args.dtype], args.dtype, args.iters, args.warmup,
                    args.timer == "pipelined", args.decode_page_size, tuple(args.decode_q_lens),
-                   args.seed, args.decode_compile_workers)
+                   args.seed, args.decode_compile_workers,
+                   (PROGRAM_BYTES, ROTATE_BYTES) if jax.default_backend() == "gpu"
+                   else (CPU_PROGRAM_BYTES, CPU_ROTATE_BYTES))
     on_gpu = jax.default_backend() == "gpu"
     copy_bytes = args.decode_copy_mib << 20 if args.decode_copy_mib else (
         COPY_BYTES_GPU if on_gpu else COPY_BYTES_CPU)

@@ -503,7 +503,8 @@ def markdown_decode(sources: list[tuple[str, dict]]) -> str:
         lines += [f"Source: {_source_line(path, meta, False)[:-1]}, {timer}.", "",
                   f"Measured in the same run: {_copy_line(section)}. Every sequence holds its "
                   "whole context (kv_lengths = context); its q_len newest tokens attend "
-                  "bottom-right. µs: one call. % of copy: the K/V bytes read (batch · context · "
+                  "bottom-right. µs: one call (timed in programs of up to 64 calls over copies of "
+                  "the cache that outgrow the L2 cache). % of copy: the K/V bytes read (batch · context · "
                   "kv heads · head_dim · 2 · 2 bytes) over the time, against the copy "
                   f"bandwidth. Paged: pages of {section['page_size']} keys in a shuffled "
                   "order. × fastest other: the fastest other implementation's time on the "

@@ -60,6 +60,7 @@ def test_smoke_run_rows_and_bandwidth(smoke):
             assert r["gbps"] == pytest.approx(r["kv_bytes"] / r["ms"] / 1e6)
             assert r["frac_of_copy"] == pytest.approx(r["gbps"] / copy["gbps"])
             assert r["err_vs_ref"] < 2e-2
+            assert (r["calls_per_program"], r["cache_copies"]) == (2, 2)
         paged = by[q_len, "paged", "pallas_flash"]
         assert paged["page_size"] == decode.SMOKE_PAGE_SIZE
         assert paged["paged_over_contiguous"] == pytest.approx(
@@ -169,6 +170,13 @@ def test_full_matrix_and_case_parsing():
     assert decode.parse_cases(None, smoke=True) == list(decode.SMOKE_CASES)
     with pytest.raises(ValueError, match="batch x context"):
         decode.parse_cases("4x32k", False)
+
+
+def test_calls_and_copies():
+    # 1 x 4k x 8 x 128 bf16: 16 MiB a call; 64 calls (1 GiB) over 8 copies (128 MiB).
+    assert decode.calls_and_copies(16 << 20) == (64, 8)
+    assert decode.calls_and_copies(128 << 20) == (8, 2)
+    assert decode.calls_and_copies(2 << 30) == (1, 1)
 
 
 def test_decode_impls_follow_impls():
