@@ -7,11 +7,11 @@ figure of merit is the bandwidth it achieves:
     GB/s     = kv_bytes / time,   % of copy = GB/s / the copy bandwidth of the same run
 
 The copy bandwidth is that of a jitted elementwise ``x + 1`` over a large buffer (4 GiB on a
-GPU), counting its read and its write. A call's time is that of a jitted program of several
-calls divided by their number: a small case's call is shorter than a program's launch from
-the host. The calls cycle over copies of the cache too large together for the L2 cache, so each
-reads its K/V from HBM, as in a model whose layers each read their own cache. Every sequence of a case is full (kv_len = context), and
-its queries are the q_len newest tokens, aligned bottom-right.
+GPU), counting its read and its write. Every sequence of a case is full (kv_len = context), and
+its queries are the q_len newest tokens, aligned bottom-right. A call's time is that of a jitted
+program of several calls divided by their number, since a small case's call is shorter than a
+program's launch from the host; the calls cycle over copies of the cache too large together for
+the L2 cache, so each reads its K/V from HBM, as in a model whose layers each read their own.
 
 Each case runs ``pallas_flash.decode_attention`` on a contiguous cache and on a paged one (the
 same keys in pages of ``--decode-page-size`` keys, handed out in a shuffled order by a random
@@ -23,16 +23,17 @@ with the reason. Accuracy: each output's first sequence against a float32 refere
 
 Cases are grouped by cache shape: one group's caches are made once and serve every head count
 and q_len. Each case is a new shape to compile, and compiling takes far longer than the calls,
-so a group's functions are compiled ahead of time, in parallel (``--decode-compile-workers``),
-before any of them is timed. ``--decode-budget`` seconds
-bound the run: groups that would not end by then are listed as skipped, and the JSON, rewritten after
-every group, says the run is incomplete.
+so a group's programs are compiled ahead of time, in parallel (``--decode-compile-workers``),
+before any of them is timed. ``--decode-budget`` seconds bound the run: groups that would not
+end by then are listed as skipped, and the JSON, rewritten after every group, says the run is
+incomplete.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import functools
 import statistics
 import time
 from typing import Any, Callable
@@ -234,12 +235,16 @@ def make_cache(group: Group, dtype, key) -> tuple[jax.Array, jax.Array]:
 def page(cache: jax.Array, page_size: int, perm: np.ndarray) -> jax.Array:
     """The pool [num_pages, page_size, ...] holding `cache`: page j of sequence b at row
     perm[b * pages_per_seq + j] (the block table is perm reshaped)."""
+    return _gather_pages(cache, jnp.asarray(np.argsort(perm).astype(np.int32)), page_size)
+
+
+@functools.partial(jax.jit, static_argnums=2)
+def _gather_pages(cache, order, page_size):
+    # One program, so that the padded and reshaped cache is never a buffer of its own.
     b, c = cache.shape[:2]
     pages = -(-c // page_size)
-    if pages * page_size != c:
-        cache = jnp.pad(cache, ((0, 0), (0, pages * page_size - c), (0, 0), (0, 0)))
-    flat = cache.reshape(b * pages, page_size, *cache.shape[2:])
-    return flat[np.argsort(perm)]
+    cache = jnp.pad(cache, ((0, 0), (0, pages * page_size - c), (0, 0), (0, 0)))
+    return cache.reshape(b * pages, page_size, *cache.shape[2:])[order]
 
 
 def _copies(k: jax.Array, v: jax.Array, copies: int) -> tuple:

@@ -497,8 +497,8 @@ def markdown_decode(sources: list[tuple[str, dict]]) -> str:
     for path, data in [(p, d) for p, d in sources if "decode" in d]:
         section, meta = data["decode"], data["meta"]
         header, table, notes = decode_table(section)
-        timer = ("pipelined timer (median of 3 batches of {} calls)" if meta.get("timer")
-                 == "pipelined" else "per-call timer (median of {} calls)").format(
+        timer = ("pipelined timer (median of 3 batches of {} programs)" if meta.get("timer")
+                 == "pipelined" else "per-program timer (median of {} programs)").format(
                      meta.get("iters"))
         lines += [f"Source: {_source_line(path, meta, False)[:-1]}, {timer}.", "",
                   f"Measured in the same run: {_copy_line(section)}. Every sequence holds its "
