@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import math
 import sys
 import time
 from pathlib import Path

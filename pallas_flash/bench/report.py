@@ -9,8 +9,9 @@ Markdown and rewrites only the marked blocks of the docs, so that no table is ed
 
 Blocks: ``headline`` (a few shapes, pallas_flash against cuDNN, for README.md), ``speed``
 (every row of the benchmark JSONs), ``memory`` (the memory sweep), ``cold-start`` (process
-start to the third training step) and ``decode`` (decode attention's bandwidth). The opening marker keeps the files it was generated from, so
-``--report`` without files regenerates every block from the files it names.
+start to the third training step) and ``decode`` (decode attention's bandwidth). The opening
+marker keeps the files it was generated from, so ``--report`` without files regenerates every
+block from the files it names.
 """
 
 from __future__ import annotations
@@ -503,10 +504,11 @@ def markdown_decode(sources: list[tuple[str, dict]]) -> str:
         lines += [f"Source: {_source_line(path, meta, False)[:-1]}, {timer}.", "",
                   f"Measured in the same run: {_copy_line(section)}. Every sequence holds its "
                   "whole context (kv_lengths = context); its q_len newest tokens attend "
-                  "bottom-right. µs: one call (timed in programs of up to 64 calls over copies of "
-                  "the cache that outgrow the L2 cache). % of copy: the K/V bytes read (batch · context · "
-                  "kv heads · head_dim · 2 · 2 bytes) over the time, against the copy "
-                  f"bandwidth. Paged: pages of {section['page_size']} keys in a shuffled "
+                  "bottom-right. µs: one call (timed in programs of up to 64 calls over "
+                  "copies of the cache that outgrow the L2 cache). % of copy: the K/V bytes "
+                  "read (batch · context · kv heads · head_dim · 2 tensors · bytes per element) "
+                  "over the time, against the copy bandwidth. Paged: pages of "
+                  f"{section['page_size']} keys in a shuffled "
                   "order. × fastest other: the fastest other implementation's time on the "
                   "contiguous cache over ours (above 1: ours is faster).", ""]
         lines += _table(header, table) + [""] + [f"- {n}" for n in notes] + [""]
