@@ -703,6 +703,8 @@ def test_plan_calls_on_the_compiled_kernels():
                       ids={name: None for name in ID_OPTIONS})
     calls = list(dict.fromkeys(c for s in plan.steps for kind in s.kinds for c in kind))
     assert len(calls) > 3 and any(c.spec.mask.offset for c in calls)
+    if attention._is_sm90():
+        assert {(c.forward, c.backward) for c in calls} == {("guarded", "guarded")}
     tol = TOLERANCE[jnp.dtype(jnp.bfloat16)]
     for n, call in enumerate(calls):
         rows, cols = call.rows[1] - call.rows[0], call.cols[1] - call.cols[0]
@@ -724,17 +726,18 @@ def test_plan_calls_on_the_compiled_kernels():
             assert_close(f"call {n} {name}", grads[call.backward][g], grads["triton"][g], tol)
 
 
-@pytest.mark.skipif(not ON_GPU, reason="a one-device ring is the flash kernels on a GPU")
+@pytest.mark.skipif(not ON_GPU, reason="bf16 on the compiled (Mosaic on sm_90) kernels")
+@pytest.mark.parametrize("size", [1, 2])
 @pytest.mark.parametrize("strategy", ["ring", "allgather"])
-def test_one_device_ring_matches_reference(strategy):
-    """P = 1 (all one GPU can show): the whole ring on the compiled kernels, bf16, causal with
-    a window and GQA, against the reference."""
-    mesh = make_mesh((1,), ("ring",))
+def test_gpu_ring_matches_reference(strategy, size):
+    """The whole ring on the compiled kernels, bf16, causal with a window and GQA, against the
+    reference: on one GPU (P = 1) and, where there are two, on both."""
+    mesh = make_mesh((size,), ("ring",))
     q, k, v, do = random_inputs(jax.random.PRNGKey(31), 1, 512, 512, 4, 2, 64, jnp.bfloat16)
     dlse = _dlse(jax.random.PRNGKey(32), q)
     options = dict(causal=True, window=(100, None))
-    got = outputs_and_grads(_ring_fn(mesh, "zigzag", 1, strategy=strategy), q, k, v, do, dlse,
-                            options)
+    got = outputs_and_grads(_ring_fn(mesh, "zigzag", size, strategy=strategy), q, k, v, do,
+                            dlse, options)
     up = lambda x: x.astype(F32)  # noqa: E731
     ref = outputs_and_grads(pf.reference_attention, up(q), up(k), up(v), up(do), dlse, options)
     compare_results(strategy, got, ref, jnp.bfloat16)
