@@ -23,8 +23,12 @@ Math: the online softmax of forward.py in base 2, c = logit_scale * log2(e), S i
 masked (by an iota compare) only in the blocks at the split's edges, at kv_length and at the
 causal / window bounds; every other block runs unmasked.
 
-Unlike the Triton kernel, a non-finite V entry at a masked-out position of a visited block
-(a stale cache row past kv_length in the sequence's last block) reaches its row (0 * inf).
+Unseen rows: a masked block may hold cache rows no query of the CTA sees (stale rows past
+kv_length in a recycled cache, the rest of a clamped page, rows before the window), whose
+contents are arbitrary. Their K only reaches masked logits, which a select replaces by -inf.
+Their V would reach every row through the P V product, where P = 0 does not help (0 * NaN is
+NaN on the tensor cores), so in masked blocks those V rows are set to 0 in shared memory
+before the product; unmasked blocks hold none and run as they are.
 """
 
 from __future__ import annotations
@@ -149,7 +153,9 @@ def _kernel(*refs, plan, tiles: DecodeTiles, n_tiles: int):
         q_ref, k_ref, v_ref, lens_ref, *rest = refs
         table_ref = None
     (o_ref, lse_ref, q_smem, k_smem, v_smem, o_smem, lse_smem,
-     q_loaded, k_loaded, v_loaded, free, *p_smem) = rest
+     q_loaded, k_loaded, v_loaded, free, *extra) = rest
+    v_clean = extra.pop(0) if tiles.compute_wgs > 1 else None
+    p_smem = extra   # interpret mode only
     block_kv, stages, wgs = tiles.block_kv, tiles.stages, tiles.compute_wgs
     head_dim, q_len, group = plan.head_dim, plan.q_len, plan.group
     dtype = q_ref.dtype
@@ -194,6 +200,42 @@ def _kernel(*refs, plan, tiles: DecodeTiles, n_tiles: int):
                         lo, hi)
         full_hi = _clip(lax.div(jnp.maximum(last_full, 0), jnp.int32(block_kv)), full_lo, hi)
 
+        # Keys [seen_lo, seen_hi) are the ones some query row of this CTA sees (its first row
+        # has the earliest window, its last real row the latest causal bound): the only V rows
+        # of a masked block that may reach O.
+        cta_rows = wgs * WG_ROWS
+        cta_first = tile * cta_rows
+        cta_last = jnp.minimum(cta_first + cta_rows, plan.rows) - 1
+        seen_hi = jnp.minimum(key_hi, lax.div(cta_last, jnp.int32(group)) + (kv_len - q_len + 1))
+        seen_lo = key_lo
+        if plan.window_left is not None:
+            seen_lo = jnp.maximum(seen_lo, lax.div(cta_first, jnp.int32(group))
+                                  + (kv_len - q_len - plan.window_left))
+
+        def zero_unseen_values(j, slot):
+            v_tile = v_smem.at[slot]
+            key = plgpu.broadcasted_iota(jnp.int32, (block_kv, head_dim), 0,
+                                         layout=plgpu.Layout.WGMMA) + j * block_kv
+            v = v_tile[...]
+            v_tile[...] = jnp.where((key >= seen_lo) & (key < seen_hi), v, jnp.zeros_like(v))
+            # The product reads the slot through the async proxy.
+            plgpu.commit_smem()
+
+        def clean_values(j, slot):
+            if wgs == 1:
+                zero_unseen_values(j, slot)
+                return
+            # The warpgroups share the slot: the first rewrites it (the unseen rows are those
+            # of the whole CTA), the others wait for it before their products.
+            @pl.when(wg == 0)
+            def _first():
+                zero_unseen_values(j, slot)
+                plgpu.barrier_arrive(v_clean.at[slot])
+
+            @pl.when(wg != 0)
+            def _others():
+                plgpu.barrier_wait(v_clean.at[slot])
+
         def visible_logits(j, s, masked: bool):
             if plan.softcap is not None:
                 s = exp2_tanh(s * (plan.scale / plan.softcap))
@@ -229,6 +271,8 @@ def _kernel(*refs, plan, tiles: DecodeTiles, n_tiles: int):
             acc = acc * _bcast_rows(alpha, acc.shape)
             p_in = p.astype(dtype)
             plgpu.barrier_wait(v_loaded.at[slot])
+            if masked:
+                clean_values(j, slot)
 
             if plan.interpret:
                 # The interpreter takes no wgmma operand in registers: P goes through smem.
@@ -355,6 +399,9 @@ def partial(plan, q_packed, k_cache, v_cache, kv_lengths, block_table, *,
         # A slot is free once every compute warpgroup is done with its K and V.
         plgpu.Barrier(num_arrivals=wgs, num_barriers=tiles.stages),
     ]
+    if wgs > 1:
+        # A masked block's V slot is rewritten by the first compute warpgroup (v_clean).
+        scratch.append(plgpu.Barrier(num_barriers=tiles.stages))
     if plan.interpret:
         scratch.append(plgpu.SMEM((wgs, WG_ROWS, tiles.block_kv), dtype))
     # One leading axis per (batch, kv head, split) cell: each store is then a plain 2-D box.
