@@ -15,7 +15,7 @@ import jax
 import numpy as np
 import pytest
 
-from helpers import example_module
+from helpers import ON_GPU, example_module
 
 _EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "generate.py"
 # Lengths 1, 16 and 21: with 16-key pages and 12 new tokens, the sequences end inside their
@@ -39,9 +39,12 @@ def model(gen):
 def test_greedy_with_cache_matches_full_forward(gen, model, page_size):
     cfg, params = model
     check = gen.check_against_full_forward(cfg, params, _PROMPTS, 12, page_size=page_size)
-    assert check["first_divergence"] is None, (check["cached"]["tokens"], check["full"]["tokens"])
-    assert check["rel_err"] <= check["rtol"] == 1e-4, check["rel_err"]
-    assert check["passed"]
+    assert check["passed"], check["rel_err"]
+    assert check["rel_err"] <= check["rtol"] == (5e-3 if ON_GPU else 1e-4)
+    if not ON_GPU:
+        # Interpret mode is exact up to summation order: no near tie can flip a token.
+        assert check["first_divergence"] is None, (check["cached"]["tokens"],
+                                                   check["full"]["tokens"])
     assert check["cached"]["tokens"].shape == (3, 12)
     assert check["cached"]["logits"].shape == (3, 12, 256)
     layout = check["cached"]["layout"]
@@ -66,6 +69,28 @@ def test_sampling_temperature_and_top_k(gen, model):
     # Every sampled token is among the 8 most likely under the logits it was drawn from.
     top8 = np.argsort(a["logits"], axis=-1)[..., -8:]
     assert (top8 == a["tokens"][..., None]).any(-1).all()
+
+
+def test_compare_greedy_stops_at_the_first_differing_token(gen):
+    logits = np.zeros((2, 3, 4), np.float32)
+    logits[:, :, 1] = 1.0
+    tokens = np.ones((2, 3), np.int32)
+    full = {"tokens": tokens, "logits": logits}
+    check = gen.compare_greedy(full, full, 1e-4)
+    assert check["passed"] and check["rel_err"] == 0 and check["first_divergence"] is None
+    # Sequence 1 flips a near tie at step 1 (token 1 over 2 by 1e-4 in the full path, 2 over 1
+    # by 1e-4 with the cache); its later logits (another sequence) do not count.
+    full["logits"][1, 1, 2] = 1.0 - 1e-4
+    flipped = {"tokens": tokens.copy(), "logits": logits.copy()}
+    flipped["tokens"][1, 1:] = 2
+    flipped["logits"][1, 1, 2] = 1.0 + 1e-4
+    flipped["logits"][1, 2] = 5.0
+    check = gen.compare_greedy(flipped, full, 1e-3)
+    assert check["passed"] and check["first_divergence"] == 1
+    assert check["max_abs_diff"] == pytest.approx(2e-4, rel=1e-3)
+    # A flip with logits far apart fails.
+    flipped["logits"][1, 1, 2] = 2.0
+    assert not gen.compare_greedy(flipped, full, 1e-3)["passed"]
 
 
 def test_block_table_shuffles_every_page_once(gen):
@@ -101,7 +126,7 @@ def test_main_from_a_checkpoint_paged_with_check(gen, model, tmp_path, capsys):
     assert result["ok"] and result["check"]["passed"], out
     assert len(result["texts"]) == 3 and result["tokens"].shape == (3, 12)
     assert "batch 3 | cache paged, 3 pages of 16 per sequence" in out
-    assert "tokens/s" in out and "same tokens -> PASSED" in out
+    assert "tokens/s" in out and "-> PASSED" in out
 
 
 @pytest.mark.parametrize("call, message", [

@@ -19,6 +19,8 @@ import pytest
 from pallas_flash.bench import decode, report
 from pallas_flash.bench.__main__ import main
 
+ON_GPU = jax.default_backend() == "gpu"
+
 
 @pytest.fixture(scope="module")
 def smoke(tmp_path_factory):
@@ -60,7 +62,9 @@ def test_smoke_run_rows_and_bandwidth(smoke):
             assert r["gbps"] == pytest.approx(r["kv_bytes"] / r["ms"] / 1e6)
             assert r["frac_of_copy"] == pytest.approx(r["gbps"] / copy["gbps"])
             assert r["err_vs_ref"] < 2e-2
-            assert (r["calls_per_program"], r["cache_copies"]) == (2, 2)
+            # On a CPU two calls over two copies; on a GPU, as many as a real run makes.
+            assert (r["calls_per_program"], r["cache_copies"]) == (
+                (64, 8) if ON_GPU else (2, 2))
         paged = by[q_len, "paged", "pallas_flash"]
         assert paged["page_size"] == decode.SMOKE_PAGE_SIZE
         assert paged["paged_over_contiguous"] == pytest.approx(
@@ -70,7 +74,9 @@ def test_smoke_run_rows_and_bandwidth(smoke):
         assert xla["status"] == "ok" and xla["err_vs_ref"] < 2e-2
         assert xla["vs_pallas_flash"] == pytest.approx(
             by[q_len, "contiguous", "pallas_flash"]["ms"] / xla["ms"])
-        assert by[q_len, "contiguous", "cudnn"]["status"] == "n.a."
+        # On a GPU cuDNN runs or declines the shape; it never fails the run.
+        assert by[q_len, "contiguous", "cudnn"]["status"] in (("ok", "n.a.") if ON_GPU
+                                                              else ("n.a.",))
         assert by[q_len, "contiguous", "tokamax"]["status"] == "n.a."
         assert "tokamax is not importable" in by[q_len, "contiguous", "tokamax"]["error"]
 
@@ -91,7 +97,7 @@ def test_report_block_from_the_smoke_json(smoke, tmp_path):
     assert "| GQA | q_len | batch | context | µs | % of copy | paged µs |" in text
     assert "| 4:2 | 1 | 2 | 256 |" in text and "| 4:2 | 4 | 2 | 256 |" in text
     assert "cuDNN µs | XLA µs | tokamax µs | × fastest other |" in text
-    assert "- cuDNN: n.a. in 2 cases: cuDNN needs a GPU" in text
+    assert ON_GPU or "- cuDNN: n.a. in 2 cases: cuDNN needs a GPU" in text
     assert "- pallas_flash paged within 5% of contiguous:" in text
     assert "copy bandwidth" in text and "pages of 16 keys" in text
     # Regenerated from the file its marker names, the block is up to date.
