@@ -225,7 +225,8 @@ def run_decode(args, parser, explicit_impls, meta, stamp) -> dict:
     meta["iters"] = args.iters
     try:
         groups = decode.make_groups(decode.parse_cases(args.decode_cases, args.smoke))
-        q_lens = [int(x) for x in (args.decode_q_lens or "1,4").split(",") if x.strip()]
+        q_lens = ([int(x) for x in args.decode_q_lens.split(",") if x.strip()]
+                  if args.decode_q_lens else list(decode.Q_LENS))
     except (argparse.ArgumentTypeError, ValueError) as e:
         parser.error(str(e))
     if not groups or not q_lens or args.decode_page_size < 1:
