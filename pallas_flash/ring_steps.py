@@ -119,16 +119,21 @@ def _run_step(plan: Plan, step: Step, kind_fn, state, zeros):
     return lax.switch(index, [functools.partial(kind_fn, calls) for calls in step.kinds], state)
 
 
+def _source_start(plan: Plan, step: Step):
+    """Where the shard this device holds at `step` starts in the all-gathered arrays."""
+    me = lax.axis_index(plan.axis_name)
+    return lax.rem(me - step.shift + plan.axis_size, plan.axis_size) * plan.seq
+
+
 def _sources(plan: Plan, kv, gathered):
     """(step, K/V of that step) for every step, the ring's sends issued before each step's
     kernels: the generator hands out step n's shard only after issuing step n + 1's send."""
-    me = lax.axis_index(plan.axis_name)
     steps = plan.steps
     for n, step in enumerate(steps):
         if gathered is not None:
-            source = lax.rem(me - step.shift + plan.axis_size, plan.axis_size) * plan.seq
+            start = _source_start(plan, step)
             yield step, jax.tree.map(
-                lambda x: lax.dynamic_slice_in_dim(x, source, plan.seq, axis=1), gathered)
+                lambda x: lax.dynamic_slice_in_dim(x, start, plan.seq, axis=1), gathered)
         else:
             current = kv
             if n + 1 < len(steps):
@@ -229,11 +234,10 @@ def _backward(plan: Plan, q, kv, out, lse, q_ids, d_out, d_lse, gathered=None):
     for step, kv_t in _sources(plan, kv, gathered):
         d_q, parts = _run_step(plan, step, functools.partial(visit, kv_t), d_q, zeros)
         if gathered is not None:
-            source = lax.rem(lax.axis_index(plan.axis_name) - step.shift + plan.axis_size,
-                             plan.axis_size) * plan.seq
             if gathered_grads is None:
                 gathered_grads = tuple(jnp.zeros(x.shape, x.dtype) for x in gathered[:2])
-            gathered_grads = tuple(lax.dynamic_update_slice_in_dim(g, p, source, axis=1)
+            start = _source_start(plan, step)
+            gathered_grads = tuple(lax.dynamic_update_slice_in_dim(g, p, start, axis=1)
                                    for g, p in zip(gathered_grads, parts))
         elif step.shift == 0:
             # With at most one part to come, one float32 add at the end rounds once, as a
