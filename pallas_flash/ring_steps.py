@@ -156,8 +156,11 @@ def _forward(plan: Plan, q, kv, q_ids, gathered=None):
     acc = _acc_dtype(q.dtype)
     batch, seq, heads, _ = q.shape
 
+    v_dim = (kv if gathered is None else gathered)[1].shape[-1]
+
     def zeros():
-        return (jnp.zeros(q.shape, acc), jnp.full((batch, heads, seq), -jnp.inf, acc))
+        return (jnp.zeros((batch, seq, heads, v_dim), acc),
+                jnp.full((batch, heads, seq), -jnp.inf, acc))
 
     def visit(kv_t, calls, state):
         k_t, v_t, ids_t = kv_t
@@ -205,9 +208,8 @@ def _merge(out_a, lse_a, out_b, lse_b):
 
 def _backward(plan: Plan, q, kv, out, lse, q_ids, d_out, d_lse, gathered=None):
     """(dq, dk, dv) of the local shards."""
-    k = kv[0] if gathered is None else gathered[0]
     row_stats = stats.from_lse(lse)
-    kv_shape = (k.shape[0], plan.seq, *k.shape[2:])
+    k, v = kv[:2] if gathered is None else gathered[:2]
 
     def zeros():
         return jnp.zeros(q.shape, q.dtype)
@@ -225,7 +227,7 @@ def _backward(plan: Plan, q, kv, out, lse, q_ids, d_out, d_lse, gathered=None):
             d_k = _add(d_k, dk_part, call.cols, plan.seq)
             d_v = _add(d_v, dv_part, call.cols, plan.seq)
         if d_k is None:  # a skipped pair: nothing to send but the shape's zeros
-            d_k = d_v = jnp.zeros(kv_shape, k.dtype)
+            d_k, d_v = (jnp.zeros((x.shape[0], plan.seq, *x.shape[2:]), x.dtype) for x in (k, v))
         return d_q, (d_k, d_v)
 
     d_q = None
