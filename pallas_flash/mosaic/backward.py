@@ -171,8 +171,7 @@ def _dkdv_body(q_ref, k_ref, v_ref, do_ref, st_ref, q_ids_ref, kv_ids_ref, cta_s
         kv_ids = None
         if wg_seg_ref is not None:
             bounds = narrowed(bounds, wg_seg_ref, batch, tile * row_tiles + row_tile)
-            kv_ids = plgpu.load(kv_ids_ref.at[batch, pl.ds(key0, WG_ROWS)],
-                                layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
+            kv_ids = plgpu.load(kv_ids_ref.at[batch, pl.ds(key0, WG_ROWS)], optimized=False)
         lo, full_lo, full_hi, hi = clamp_range(bounds, cta_lo, cta_hi)
         my_k, my_v = k_smem.at[row_tile], v_smem.at[row_tile]
         col_slice = (slice(None),) if splits == 1 else (slice(None), pl.ds(col, cols))
@@ -196,7 +195,7 @@ def _dkdv_body(q_ref, k_ref, v_ref, do_ref, st_ref, q_ids_ref, kv_ids_ref, cta_s
                              interpret=spec.interpret, stage_ref=stage)
                 plgpu.barrier_wait(ds_ready)
                 if jnp.dtype(dtype) == jnp.float16:
-                    fk_new = plgpu.load(fk_smem, layout=plgpu.Layout.WGMMA.reduce(1))
+                    fk_new = plgpu.load(fk_smem)
                     dk = dk * bcast_rows(fk / fk_new, dk.shape)
                     fk = fk_new
                 dk = accumulate(dk, ds_smem, q_blk.at[col_slice], interpret=spec.interpret)
@@ -206,7 +205,7 @@ def _dkdv_body(q_ref, k_ref, v_ref, do_ref, st_ref, q_ids_ref, kv_ids_ref, cta_s
             wait_do()
             dp_t = matmul(my_v, do_blk.T, shape)
             plgpu.barrier_wait(pt_ready)
-            p_t = plgpu.load(pt_smem, layout=plgpu.Layout.WGMMA)
+            p_t = plgpu.load(pt_smem)
             plgpu.barrier_arrive(pt_free)
             ds_t = transposed_score_grads(p_t, dp_t, st, None,
                                           None if visible_fn is None else visible_fn())
@@ -242,7 +241,7 @@ def _dkdv_body(q_ref, k_ref, v_ref, do_ref, st_ref, q_ids_ref, kv_ids_ref, cta_s
                 visible = mask.visible(q_pos, k_pos, kv_len)
                 if kv_ids is not None:
                     q_ids = plgpu.load(q_ids_ref.at[batch, pl.ds(i * block_q, block_q)],
-                                       layout=plgpu.Layout.WGMMA.reduce(0), optimized=False)
+                                       optimized=False)
                     visible = _and_mask(visible, _same_segment(kv_ids, q_ids, shape))
                 # None: queries past seq_q alone make it an edge; their r = +inf gives P = 0.
                 return visible
@@ -389,17 +388,17 @@ def _dq_body(q_ref, k_ref, v_ref, do_ref, st_ref, q_ids_ref, kv_ids_ref, cta_seg
         q_ids = None
         if wg_seg_ref is not None:
             bounds = narrowed(bounds, wg_seg_ref, batch, tile * wgs + wg)
-            q_ids = plgpu.load(q_ids_ref.at[batch, pl.ds(q0, WG_ROWS)],
-                               layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
+            q_ids = plgpu.load(q_ids_ref.at[batch, pl.ds(q0, WG_ROWS)], optimized=False)
         # A warpgroup wholly past seq_q computes nothing.
         bounds = tuple(jnp.where(q0 < mask.seq_q, b, cta_lo) for b in bounds)
         lo, full_lo, full_hi, hi = clamp_range(bounds, cta_lo, cta_hi)
 
         for j in range(3):
             plgpu.barrier_wait(own_loaded.at[j * wgs + wg])
-        m = plgpu.load(my_st.at[0], layout=plgpu.Layout.WGMMA.reduce(1))
-        r = plgpu.load(my_st.at[1], layout=plgpu.Layout.WGMMA.reduce(1))
-        delta = plgpu.load(my_st.at[2], layout=plgpu.Layout.WGMMA.reduce(1))
+        # No layout hints (forward.py says why): the wgmmas fix every layout.
+        m = plgpu.load(my_st.at[0])
+        r = plgpu.load(my_st.at[1])
+        delta = plgpu.load(my_st.at[2])
 
         def step(s, carry, masked: bool):
             dq, fq = carry
@@ -413,7 +412,7 @@ def _dq_body(q_ref, k_ref, v_ref, do_ref, st_ref, q_ids_ref, kv_ids_ref, cta_seg
                 visible = mask.visible(q_pos, k_pos, kv_len)
                 if q_ids is not None:
                     kv_ids = plgpu.load(kv_ids_ref.at[batch, pl.ds(s * block_kv, block_kv)],
-                                        layout=plgpu.Layout.WGMMA.reduce(0), optimized=False)
+                                        optimized=False)
                     visible = _and_mask(visible, _same_segment(q_ids, kv_ids, shape))
                 if visible is not None:
                     p = jnp.where(visible, p, 0.0)

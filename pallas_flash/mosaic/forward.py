@@ -133,8 +133,7 @@ def _kernel_body(q_ref, k_ref, v_ref, q_ids_ref, kv_ids_ref, cta_seg_ref, wg_seg
         q_ids = None
         if wg_seg_ref is not None:
             bounds = narrowed(bounds, wg_seg_ref, batch, tile * cfg.compute_wgs + wg)
-            q_ids = plgpu.load(q_ids_ref.at[batch, pl.ds(q_start, block_q)],
-                               layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
+            q_ids = plgpu.load(q_ids_ref.at[batch, pl.ds(q_start, block_q)], optimized=False)
         # A warpgroup wholly past seq_q computes nothing.
         bounds = tuple(jnp.where(q_start < mask.seq_q, b, cta_lo) for b in bounds)
         lo, full_lo, full_hi, hi = clamp_range(bounds, cta_lo, cta_hi)
@@ -145,12 +144,12 @@ def _kernel_body(q_ref, k_ref, v_ref, q_ids_ref, kv_ids_ref, cta_seg_ref, wg_seg
             if not masked:
                 return u
             shape = (block_q, block_kv)
-            rows = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA)
-            cols = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
+            rows = lax.broadcasted_iota(jnp.int32, shape, 0)
+            cols = lax.broadcasted_iota(jnp.int32, shape, 1)
             visible = mask.visible(rows + q_start, cols + j * block_kv, kv_len)
             if q_ids is not None:
                 kv_ids = plgpu.load(kv_ids_ref.at[batch, pl.ds(j * block_kv, block_kv)],
-                                    layout=plgpu.Layout.WGMMA.reduce(0), optimized=False)
+                                    optimized=False)
                 same = (_bcast_rows(q_ids, shape)
                         == lax.broadcast_in_dim(kv_ids, shape, [1]))
                 visible = same if visible is None else visible & same
@@ -257,9 +256,8 @@ def _kernel_body(q_ref, k_ref, v_ref, q_ids_ref, kv_ids_ref, cta_seg_ref, wg_seg
                     for ref, x in zip(out_ref, new):
                         ref[...] = x
 
-                # The second element carries the softmax's results out (shapes and layouts).
-                p0 = plgpu.layout_cast(jnp.zeros((block_q, block_kv), jnp.float32),
-                                       plgpu.Layout.WGMMA)
+                # The second element carries the softmax's results out (shapes).
+                p0 = jnp.zeros((block_q, block_kv), jnp.float32)
                 init = (plgpu.ACC.init(acc), (m, m, p0, l))
                 acc, (m_new, alpha, p, l) = pl.run_state(both)(init)
             p_in = p.astype(dtype)
@@ -293,14 +291,17 @@ def _kernel_body(q_ref, k_ref, v_ref, q_ids_ref, kv_ids_ref, cta_seg_ref, wg_seg
             plgpu.barrier_arrive(v_free.at[slot])
             rendezvous()
 
-        acc = plgpu.layout_cast(jnp.zeros((block_q, head_dim), jnp.float32), plgpu.Layout.WGMMA)
-        m = plgpu.layout_cast(jnp.full((block_q,), -jnp.inf, jnp.float32),
-                              plgpu.Layout.WGMMA.reduce(1))
-        l = plgpu.layout_cast(jnp.zeros((block_q,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+        # No layout hints here, on the iotas or on the id loads: the wgmma operands and
+        # accumulators fix every register layout, and a hint (layout_cast, layout=) leaves its
+        # operand's layout to a step of Mosaic's solver search over the whole kernel's
+        # constraints, which is most of the lowering time.
+        acc = jnp.zeros((block_q, head_dim), jnp.float32)
+        m = jnp.full((block_q,), -jnp.inf, jnp.float32)
+        l = jnp.zeros((block_q,), jnp.float32)
         carry = (acc, m, l)
         body = step
         if cfg.overlap:
-            p0 = plgpu.layout_cast(jnp.zeros((block_q, block_kv), dtype), plgpu.Layout.WGMMA)
+            p0 = jnp.zeros((block_q, block_kv), dtype)
             carry = (acc, m, l, p0, lo, jnp.bool_(False))
             body = step_lagged
 

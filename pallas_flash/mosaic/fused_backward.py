@@ -217,8 +217,8 @@ def _fused_body(q_ref, k_ref, v_ref, do_ref, st_ref, dk_ref, dv_ref, dq_ref,
             plgpu.barrier_wait(st_loaded.at[slot])
             plgpu.barrier_wait(do_loaded.at[slot])
             plgpu.barrier_arrive(slot_free.at[slot])
-            exchange(t, plgpu.layout_cast(jnp.zeros((WG_ROWS, BLOCK_Q), dtype),
-                                          plgpu.Layout.WGMMA))
+            # No layout hint (forward.py says why): the dS^T store's layout is the steps'.
+            exchange(t, jnp.zeros((WG_ROWS, BLOCK_Q), dtype))
 
         def downward(a, b, fn, carry):
             """fn(j, carry) for j = b - 1 down to a."""
