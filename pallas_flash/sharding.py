@@ -157,8 +157,9 @@ def sharded_flash_attention(q, k, v, *, mesh: Mesh, batch_axis: AxisNames = None
                         f"{sorted(unknown)}")
     check_axes(mesh, batch_axis=batch_axis, head_axis=head_axis)
     # Validate against the global shapes, so errors name the shapes the caller passed.
-    validation.validate(q, k, v, **{name: flash_options.get(name, _VALIDATE_DEFAULTS.get(name))
-                                    for name in _VALIDATED})
+    validation.validate(q, k, v, v_head_dim_may_differ=True,
+                        **{name: flash_options.get(name, _VALIDATE_DEFAULTS.get(name))
+                           for name in _VALIDATED})
     check_divisible("the batch size", q.shape[0], mesh, batch_axis, "batch_axis")
     check_heads(q, k, mesh, head_axis)
 

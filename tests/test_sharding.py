@@ -29,13 +29,16 @@ def _dlse(key, q):
 _COLLECTIVES = ("all-gather", "all-to-all", "all-reduce", "collective-permute", "reduce-scatter")
 
 
-@pytest.mark.parametrize("batch_axis,head_axis,explicit,segments", [
-    ("data", "heads", False, True),
-    (("data", "heads"), None, True, False),
+@pytest.mark.parametrize("batch_axis,head_axis,explicit,segments,head_dim_v", [
+    ("data", "heads", False, True, 16),
+    (("data", "heads"), None, True, False, 16),
+    ("data", "heads", False, False, 8),  # MLA: V's head_dim is its own
 ])
-def test_batch_head_sharding_has_no_collectives(batch_axis, head_axis, explicit, segments):
+def test_batch_head_sharding_has_no_collectives(batch_axis, head_axis, explicit, segments,
+                                                head_dim_v):
     mesh = make_mesh((2, 2), ("data", "heads"), explicit)
-    q, k, v, do = random_inputs(jax.random.PRNGKey(3), 4, 40, 40, 4, 2, 16, F32)
+    q, k, v, do = random_inputs(jax.random.PRNGKey(3), 4, 40, 40, 4, 2, 16, F32,
+                                head_dim_v=head_dim_v)
     dlse = _dlse(jax.random.PRNGKey(4), q)
     tokens = NamedSharding(mesh, P(batch_axis, None, head_axis, None))
     rows = NamedSharding(mesh, P(batch_axis, head_axis, None))
