@@ -1,0 +1,48 @@
+"""The Mosaic kernels of a default training step lower for sm_90 through the public API, on any
+machine (Mosaic GPU lowers for the cuda platform without a GPU).
+
+Lowering is most of a fresh process's first step and is paid again on a warm persistent
+compilation cache: this keeps it runnable on CPU, where it can be profiled
+(jax.experimental.mosaic.gpu's layout inference and dialect lowering). test_mosaic_forward.py,
+test_mosaic_backward.py and test_mosaic_fused.py lower each kernel alone over its options.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import pallas_flash as pf
+from backends import IS_HOPPER, ON_GPU
+from pallas_flash import attention
+from pallas_flash.mosaic import backward as mosaic_backward
+from pallas_flash.mosaic import forward as mosaic_forward
+from pallas_flash.mosaic import fused_backward
+
+pytest.importorskip("jax.experimental.mosaic.gpu")
+pytestmark = pytest.mark.skipif(ON_GPU and not IS_HOPPER,
+                                reason="Mosaic GPU lowers for the GPU present: sm_90 only")
+
+
+@pytest.mark.parametrize("dtype,causal,kernels", [
+    (jnp.bfloat16, True, (mosaic_forward.KERNEL_NAME, fused_backward.FUSED_KERNEL_NAME)),
+    (jnp.float16, False, (mosaic_forward.KERNEL_NAME, mosaic_backward.DKDV_KERNEL_NAME,
+                          mosaic_backward.DQ_KERNEL_NAME)),
+], ids=["bf16-causal-fused", "f16-two-kernel"])
+def test_training_step_lowers_for_sm90(monkeypatch, dtype, causal, kernels):
+    """flash_attention's forward and backward under jax.vjp, as a jitted training step stages
+    them, lower for the cuda platform with every kernel in the module."""
+    # The dispatch asks the local device; lowering for sm_90 needs no device.
+    monkeypatch.setattr(attention, "_is_sm90", lambda: True)
+    monkeypatch.setattr(attention, "_capability", lambda: "9.0")
+    x = jax.ShapeDtypeStruct((1, 1024, 2, 128), dtype)
+
+    def step(q, k, v, do):
+        def attend(q, k, v):
+            return pf.flash_attention(q, k, v, causal=causal, backend="mosaic", interpret=False)
+        return jax.vjp(attend, q, k, v)[1](do)
+
+    text = jax.jit(step).trace(x, x, x, x).lower(lowering_platforms=("cuda",)).as_text()
+    for name in kernels:
+        assert f"{name}_mosaic_gpu" in text, name
