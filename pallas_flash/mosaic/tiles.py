@@ -21,12 +21,13 @@ def bcast_cols(x, shape):
     return lax.broadcast_in_dim(x, shape, [1])
 
 
+# No layout hints here (forward.py says why): the wgmmas fix every layout.
 def row_vector(value, n):
-    return plgpu.layout_cast(jnp.full((n,), value, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+    return jnp.full((n,), value, jnp.float32)
 
 
 def zeros_acc(rows, cols):
-    return plgpu.layout_cast(jnp.zeros((rows, cols), jnp.float32), plgpu.Layout.WGMMA)
+    return jnp.zeros((rows, cols), jnp.float32)
 
 
 def product(acc, a, b_ref, *, interpret: bool, stage_ref=None):
@@ -64,8 +65,8 @@ def matmul(a_ref, b_ref, shape):
 
 
 def positions(shape, row0, col0):
-    rows = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA) + row0
-    cols = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA) + col0
+    rows = lax.broadcasted_iota(jnp.int32, shape, 0) + row0
+    cols = lax.broadcasted_iota(jnp.int32, shape, 1) + col0
     return rows, cols
 
 
@@ -90,8 +91,8 @@ def transposed_weights(spec, c, k_tile, v_tile, q_blk, do_blk, st, shape, *, wai
 def transposed_probabilities(spec, c, k_tile, q_blk, st, shape, visible_fn=None):
     """(P^T, t^T or None, visibility or None): the first half of `transposed_weights`."""
     u_t, t_t = logit_units(spec, matmul(k_tile, q_blk.T, shape))
-    m = plgpu.load(st.at[0], layout=plgpu.Layout.WGMMA.reduce(0))
-    r = plgpu.load(st.at[1], layout=plgpu.Layout.WGMMA.reduce(0))
+    m = plgpu.load(st.at[0])
+    r = plgpu.load(st.at[1])
     p_t = jnp.exp2((u_t - bcast_cols(m, shape)) * c - bcast_cols(r, shape))
     visible = None if visible_fn is None else visible_fn()
     if visible is not None:
@@ -102,7 +103,7 @@ def transposed_probabilities(spec, c, k_tile, q_blk, st, shape, visible_fn=None)
 def transposed_score_grads(p_t, dp_t, st, t_t=None, visible=None):
     """dS^T = P^T (dP^T - D) (times 1 - t^2 with a softcap), zeroed outside `visible`: the
     second half of `transposed_weights`."""
-    delta = plgpu.load(st.at[2], layout=plgpu.Layout.WGMMA.reduce(0))
+    delta = plgpu.load(st.at[2])
     ds_t = p_t * (dp_t - bcast_cols(delta, dp_t.shape))
     if t_t is not None:
         ds_t = ds_t * (1.0 - t_t * t_t)  # softcap: d(c tanh(x / c)) = 1 - tanh^2
