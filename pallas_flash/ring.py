@@ -126,7 +126,7 @@ def _plan(q, k, v, *, axis_name: str, axis_size: int | None, where: str, causal,
     """
     opts = validation.validate(
         q, k, v, causal=causal, scale=scale, causal_alignment=causal_alignment, window=window,
-        softcap=softcap, **ids)
+        softcap=softcap, v_head_dim_may_differ=True, **ids)
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     if strategy not in STRATEGIES:
@@ -144,7 +144,7 @@ def _plan(q, k, v, *, axis_name: str, axis_size: int | None, where: str, causal,
                          f"{chunks} for the {layout} layout")
     explicit_config = config is not None
     precision, config, interpret = attention.kernel_options(
-        q, precision=precision, config=config, interpret=interpret)
+        q, precision=precision, config=config, interpret=interpret, head_dim_v=v.shape[-1])
     # Lengths are folded into ids too (masking.fold_lengths), so either kind needs the ids path.
     has_segments = any(x is not None for x in ids.values())
 
@@ -154,13 +154,13 @@ def _plan(q, k, v, *, axis_name: str, axis_size: int | None, where: str, causal,
                              interpret=interpret)
 
     local = [jax.ShapeDtypeStruct((x.shape[0], x.shape[1] // parts, *x.shape[2:]), x.dtype)
-             for x in (q, k)]
+             for x in (q, k, v)]
     if backend == "mosaic":
         # The whole local call is checked as flash_attention checks it (ValueError: which
         # backend can serve it); single blocks the Mosaic kernels cannot take run on Triton.
         attention._choose_backends(
             "mosaic", spec_of(make_mask_spec(local[0].shape[1], local[1].shape[1],
-                                             causal=bool(causal))), local[0], local[1], local[1])
+                                             causal=bool(causal))), *local)
     plan = make_plan(axis_name, axis_size, *local, layout=layout, causal=bool(causal),
                      window=opts.window, spec_of=spec_of, backend=backend,
                      explicit_config=explicit_config)
@@ -168,7 +168,8 @@ def _plan(q, k, v, *, axis_name: str, axis_size: int | None, where: str, causal,
         batch, seq, q_heads, head_dim = q.shape
         strategy = choose_strategy(devices=axis_size, seq=local[0].shape[1] * axis_size,
                                    q_heads=q_heads, kv_heads=k.shape[2], head_dim=head_dim,
-                                   dtype=q.dtype, batch=batch, ring_steps=plan.ring_steps)
+                                   head_dim_v=v.shape[-1], dtype=q.dtype, batch=batch,
+                                   ring_steps=plan.ring_steps)
     return dataclasses.replace(plan, strategy=strategy)
 
 
@@ -194,9 +195,11 @@ def ring_attention(q, k, v, *, mesh: Mesh, axis_name: str, causal: bool = False,
     """Exact attention with the sequence split over the mesh axis `axis_name`.
 
     Args:
-      q: [batch, seq, q_heads, head_dim]; k, v: [batch, seq, kv_heads, head_dim] (global
-        arrays; self-attention, so one seq). With layout="zigzag" the seq axis must already be
-        in zig-zag order (`zigzag_permute`); the output then is too.
+      q: [batch, seq, q_heads, head_dim]; k: [batch, seq, kv_heads, head_dim]; v: [batch, seq,
+        kv_heads, head_dim_v] (global arrays; self-attention, so one seq). head_dim_v may differ
+        from head_dim (DeepSeek's MLA: 192 and 128), on the Triton kernels, as in
+        `flash_attention`. With layout="zigzag" the seq axis must already be in zig-zag order
+        (`zigzag_permute`); the output then is too.
       mesh: the device mesh; axis_name: the mesh axis that splits the sequence.
       causal: causal self-attention (query i sees keys j <= i, in natural positions).
       layout: "contiguous" (device i holds the i-th of P equal chunks) or "zigzag" (2P chunks,
@@ -224,7 +227,7 @@ def ring_attention(q, k, v, *, mesh: Mesh, axis_name: str, causal: bool = False,
         (O, lse) of the whole sequence, so no shard pair needs to know of them.
 
     Returns:
-      out [batch, seq, q_heads, head_dim] in q's dtype, or (out, lse) with return_lse (lse
+      out [batch, seq, q_heads, head_dim_v] in q's dtype, or (out, lse) with return_lse (lse
       [batch, q_heads, seq], float32). Both are differentiable; gradients are deterministic.
     """
     if not isinstance(axis_name, str):
@@ -260,12 +263,13 @@ def ring_attention_local(q, k, v, *, axis_name: str, causal: bool = False,
                          backend: str = "auto", interpret: bool | None = None):
     """The per-device function, for use inside `jax.shard_map(..., check_vma=False)`.
 
-    q, k, v are this device's shards [batch, seq / P, heads, head_dim] of a sequence split over
-    the manual mesh axis `axis_name`, in the given layout (for "zigzag": this device's chunk i
-    followed by its chunk 2P-1-i). q_segment_ids and kv_segment_ids are this device's shards
-    [batch, seq / P] of the ids, split like q and k; q_lengths and kv_lengths are not split
-    along the sequence: [batch] lengths in natural positions of the whole sequence. Other
-    arguments and the result are as in `ring_attention`, per device.
+    q, k, v are this device's shards [batch, seq / P, heads, head_dim] (V's head_dim may differ)
+    of a sequence split over the manual mesh axis `axis_name`, in the given layout (for
+    "zigzag": this device's chunk i followed by its chunk 2P-1-i). q_segment_ids and
+    kv_segment_ids are this device's shards [batch, seq / P] of the ids, split like q and k;
+    q_lengths and kv_lengths are not split along the sequence: [batch] lengths in natural
+    positions of the whole sequence. Other arguments and the result are as in `ring_attention`,
+    per device.
     """
     if not isinstance(return_lse, bool):
         raise ValueError(f"return_lse must be a bool, got {return_lse!r}")

@@ -172,9 +172,10 @@ class Plan:
         return len(self.steps) - 1
 
 
-def make_plan(axis_name: str, axis_size: int, q, k, *, layout: str, causal: bool, window,
+def make_plan(axis_name: str, axis_size: int, q, k, v, *, layout: str, causal: bool, window,
               spec_of, backend: str, explicit_config: bool, strategy: str = "ring") -> Plan:
-    """q, k: the local shards (arrays or ShapeDtypeStructs), [batch, seq / P, heads, dim].
+    """q, k, v: the local shards (arrays or ShapeDtypeStructs), [batch, seq / P, heads, dim]
+    (V's dim may differ from Q and K's: MLA).
 
     spec_of(mask) -> AttentionSpec; window is the validated (left, right) or None.
     """
@@ -188,7 +189,7 @@ def make_plan(axis_name: str, axis_size: int, q, k, *, layout: str, causal: bool
         grid = [[_Cell((qp.local, qp.local + qp.length), (kp.local, kp.local + kp.length),
                        _normalize(qp.length, kp.length, qp.start - kp.start, left, right))
                  for kp in pieces[source]] for qp in pieces[device]]
-        return tuple(_make_call(cell, q, k, spec_of, backend, explicit_config)
+        return tuple(_make_call(cell, q, k, v, spec_of, backend, explicit_config)
                      for cell in _merge_cells(grid))
 
     steps = []
@@ -201,18 +202,18 @@ def make_plan(axis_name: str, axis_size: int, q, k, *, layout: str, causal: bool
     return Plan(axis_name, axis_size, layout, seq, strategy, tuple(steps))
 
 
-def _make_call(cell: _Cell, q, k, spec_of, backend: str, explicit_config: bool) -> Call:
+def _make_call(cell: _Cell, q, k, v, spec_of, backend: str, explicit_config: bool) -> Call:
     spec = spec_of(cell.mask)
     rows, cols = cell.rows[1] - cell.rows[0], cell.cols[1] - cell.cols[0]
-    q_part = jax.ShapeDtypeStruct((q.shape[0], rows, *q.shape[2:]), q.dtype)
-    k_part = jax.ShapeDtypeStruct((k.shape[0], cols, *k.shape[2:]), k.dtype)
+    q_part, k_part, v_part = (jax.ShapeDtypeStruct((x.shape[0], n, *x.shape[2:]), x.dtype)
+                              for x, n in ((q, rows), (k, cols), (v, cols)))
     if backend == "mosaic" and mosaic_forward.unsupported_reason(spec, q_part, k_part,
-                                                                 k_part) is not None:
+                                                                 v_part) is not None:
         # The call as a whole was checked (ring.py); a block the Mosaic kernels cannot serve
         # runs on Triton, like flash_attention's "auto".
         fwd, bwd = "triton", "triton"
     else:
-        fwd, bwd = attention._choose_backends(backend, spec, q_part, k_part, k_part,
+        fwd, bwd = attention._choose_backends(backend, spec, q_part, k_part, v_part,
                                               explicit_config=explicit_config)
     return Call(cell.rows, cell.cols, spec, fwd, bwd)
 
@@ -223,28 +224,33 @@ def _make_call(cell: _Cell, q, k, spec_of, backend: str, explicit_config: bool) 
 
 
 def strategy_bytes(*, devices: int, seq: int, q_heads: int, kv_heads: int, head_dim: int,
-                   dtype, batch: int = 1, ring_steps: int | None = None) -> dict[str, int]:
+                   dtype, batch: int = 1, ring_steps: int | None = None,
+                   head_dim_v: int | None = None) -> dict[str, int]:
     """Bytes each device sends in one forward+backward, and what the all-gather holds.
 
     seq is the total length, split evenly over `devices`; `ring_steps` the steps whose shard
-    comes from another device (P - 1 unless a window lets the ring stop early: Plan.ring_steps).
-    With s the bytes of one local K (or V) shard, B x seq/P x kv_heads x head_dim:
+    comes from another device (P - 1 unless a window lets the ring stop early: Plan.ring_steps);
+    head_dim is Q and K's, head_dim_v V's (None: the same; MLA: 192 and 128). With k the bytes
+    of one local K shard, B x seq/P x kv_heads x head_dim, and v those of one local V shard
+    (head_dim_v in place of head_dim); dK and dV take the bytes of K and V:
 
       ring:      every step sends K and V forward, and K, V and the pair's dK, dV (all in the
-                 input dtype) backward:                        ring_steps x (2s + 4s)
+                 input dtype) backward:                        ring_steps x 3 (k + v)
       allgather: one all-gather of K and V forward (kept for the backward), one reduce-scatter
-                 of dK and dV backward:                        (P - 1) x (2s + 2s)
+                 of dK and dV backward:                        (P - 1) x 2 (k + v)
 
     Returns {"ring", "allgather", "allgather_extra", "query"}: the two counts, the bytes of the
-    other devices' K/V that the all-gather holds from the forward to the backward, (P - 1) 2s,
-    and the bytes of the local query shard.
+    other devices' K/V that the all-gather holds from the forward to the backward,
+    (P - 1) (k + v), and the bytes of the local query shard (head_dim wide).
     """
     itemsize = jnp.dtype(dtype).itemsize
     local = seq // devices
-    shard = batch * local * kv_heads * head_dim * itemsize
+    head_dim_v = head_dim if head_dim_v is None else head_dim_v
+    row = batch * local * kv_heads * itemsize        # one shard's bytes per head_dim column
+    kv = row * (head_dim + head_dim_v)               # a K shard and a V shard
     steps = devices - 1 if ring_steps is None else ring_steps
-    return {"ring": steps * 6 * shard, "allgather": (devices - 1) * 4 * shard,
-            "allgather_extra": (devices - 1) * 2 * shard,
+    return {"ring": steps * 3 * kv, "allgather": (devices - 1) * 2 * kv,
+            "allgather_extra": (devices - 1) * kv,
             "query": batch * local * q_heads * head_dim * itemsize}
 
 
@@ -254,9 +260,10 @@ def choose_strategy(**shape) -> str:
 
     The memory bound keeps "auto" to the case the all-gather is made for: many query heads per
     K/V head (GQA), where the gathered K/V stay small beside the query-side activations. With as
-    many K/V heads as query heads they would be 2 (P - 1) times the query shard, and the
-    ring's memory falls as 1/P. A window that lets the ring stop early (few ring_steps) makes
-    the ring send less. Keyword arguments are those of `strategy_bytes`.
+    many K/V heads as query heads they would be (P - 1) (1 + head_dim_v / head_dim) times the
+    query shard (2 (P - 1) with one head_dim), and the ring's memory falls as 1/P. A window
+    that lets the ring stop early (few ring_steps) makes the ring send less. Keyword arguments
+    are those of `strategy_bytes`.
     """
     b = strategy_bytes(**shape)
     if b["allgather"] < b["ring"] and b["allgather_extra"] <= b["query"]:

@@ -431,6 +431,31 @@ def test_strategies_and_variants_match_reference(name):
         assert "all_gather" in jaxpr and "ppermute" not in jaxpr
 
 
+# name: (ring size, layout, strategy, options for both sides)
+MLA_CASES = {
+    "ring_4_zigzag_causal": (4, "zigzag", "ring", {"causal": True}),
+    "allgather_4_zigzag_causal": (4, "zigzag", "allgather", {"causal": True}),
+    # A causal window narrower than a shard: the ring stops after one step.
+    "ring_4_contiguous_causal_window": (4, "contiguous", "ring",
+                                        {"causal": True, "window": (12, None)}),
+}
+
+
+@pytest.mark.parametrize("name", list(MLA_CASES))
+def test_v_head_dim_differs_matches_reference(name):
+    """V with a head_dim of its own (MLA: here 32 for Q/K, 16 for V; GQA): O [.., 16], lse and
+    dq, dk, dv against reference_attention under random cotangents, for both strategies."""
+    ring_size, layout, strategy, options = MLA_CASES[name]
+    mesh = make_mesh((ring_size,), ("ring",))
+    q, k, v, do = random_inputs(jax.random.PRNGKey(41), 1, 64, 64, 4, 2, 32, F32, head_dim_v=16)
+    dlse = _dlse(jax.random.PRNGKey(42), q)
+    got = outputs_and_grads(_ring_fn(mesh, layout, ring_size, strategy=strategy), q, k, v, do,
+                            dlse, options)
+    assert got[0].shape == (1, 64, 4, 16)
+    ref = outputs_and_grads(pf.reference_attention, q, k, v, do, dlse, options)
+    compare_results(name, got, ref, F32)
+
+
 def test_window_skips_shards_it_does_not_reach(monkeypatch):
     """With a window narrower than a shard only the neighbouring shard travels (one step), and
     the kernel calls that run are exactly the visible pairs; the result matches the
@@ -462,10 +487,11 @@ def test_window_skips_shards_it_does_not_reach(monkeypatch):
 
 
 def _plan(layout, causal, window=None, *, size=4, dtype=F32, head_dim=32, backend="auto",
-          interpret=True):
+          interpret=True, head_dim_v=None):
     q = jax.ShapeDtypeStruct((1, 64, 4, head_dim), dtype)
     k = jax.ShapeDtypeStruct((1, 64, 2, head_dim), dtype)
-    return ring._plan(q, k, k, axis_name="ring", axis_size=size, where="global", causal=causal,
+    v = jax.ShapeDtypeStruct((1, 64, 2, head_dim if head_dim_v is None else head_dim_v), dtype)
+    return ring._plan(q, k, v, axis_name="ring", axis_size=size, where="global", causal=causal,
                       scale=None, softcap=None, window=window, causal_alignment="top_left",
                       layout=layout, strategy="ring", backend=backend, precision=None,
                       config=None, interpret=interpret, ids={name: None for name in ID_OPTIONS})
@@ -525,6 +551,11 @@ def test_plan_backends(monkeypatch):
     assert backends(_plan("zigzag", True, **dict(compiled, head_dim=48))) == {("triton",
                                                                                "triton")}
     assert backends(_plan("zigzag", True)) == {("triton", "triton")}
+    # A V head_dim other than Q/K's (MLA) only the Triton kernels take; "mosaic" refuses it.
+    assert backends(_plan("zigzag", True, **dict(compiled, head_dim_v=128))) == {("triton",
+                                                                                 "triton")}
+    with pytest.raises(ValueError, match="backend='mosaic' cannot serve .*v head_dim 128"):
+        _plan("zigzag", True, **dict(compiled, head_dim_v=128), backend="mosaic")
     # A block the Mosaic forward refuses (here: any with a position offset) runs on Triton.
     real = mosaic_forward.unsupported_reason
     monkeypatch.setattr(mosaic_forward, "unsupported_reason", lambda spec, *a, **kw: (
@@ -556,6 +587,19 @@ def test_strategy_byte_model():
     assert choose(devices=1, q_heads=64, kv_heads=8, **shape) == "ring"   # nothing moves
     assert ring_plan.strategy_bytes(devices=4, q_heads=8, kv_heads=8, ring_steps=1,
                                     **shape)["ring"] == 6 * (shard // 2)
+    # MLA: K counts with Q/K's head_dim, V with its own (192 and 128).
+    mla = dict(shape, head_dim=192, head_dim_v=128)
+    k_shard, v_shard = shard // 128 * 192, shard
+    kv = k_shard + v_shard
+    assert ring_plan.strategy_bytes(devices=2, q_heads=64, kv_heads=8, **mla) == {
+        "ring": 3 * kv, "allgather": 2 * kv, "allgather_extra": kv, "query": 8 * k_shard}
+    assert ring_plan.strategy_bytes(devices=2, q_heads=64, kv_heads=8, head_dim_v=128,
+                                    **shape) == b   # head_dim_v equal to head_dim: the same
+    # The memory bound counts V at its own width: on 4 devices with 40 q heads per 8 kv heads
+    # the gathered K/V, 3 (k + v), just fit beside the query shard (5 k) with V 128 wide, not
+    # with V as wide as K.
+    assert choose(devices=4, q_heads=40, kv_heads=8, **mla) == "allgather"
+    assert choose(devices=4, q_heads=40, kv_heads=8, **dict(mla, head_dim_v=192)) == "ring"
 
 
 # ================================================================================================
