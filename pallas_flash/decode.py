@@ -339,6 +339,16 @@ def decode_attention(
 ) -> tuple[jax.Array, jax.Array]: ...
 
 
+@overload
+def decode_attention(
+    q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, *, kv_lengths: jax.Array,
+    block_table: jax.Array | None = ..., scale: float | None = ..., softcap: float | None = ...,
+    window: tuple[int | None, int | None] | None = ..., sinks: jax.Array | None = ...,
+    return_lse: bool = ..., num_splits: int | None = ..., backend: str = ...,
+    interpret: bool | None = ...,
+) -> jax.Array | tuple[jax.Array, jax.Array]: ...
+
+
 def decode_attention(
     q: jax.Array,
     k_cache: jax.Array,

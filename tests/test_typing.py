@@ -13,7 +13,7 @@ import pallas_flash as pf
 
 # (function, the flag that adds the lse/residual to the result)
 WITH_LSE = [(pf.flash_attention, "return_lse"), (pf.reference_attention, "return_lse"),
-            (pf.dot_product_attention, "return_residual")]
+            (pf.dot_product_attention, "return_residual"), (pf.decode_attention, "return_lse")]
 PAIR = "tuple[jax.Array, jax.Array]"
 
 
