@@ -9,6 +9,8 @@
 #                                                 (default: one benchmark case)
 #   bash benchmarks/gpu.sh huge [ARGS]            benchmarks/huge_check.py (> 2**31 elements)
 #   bash benchmarks/gpu.sh scaling [ARGS]         benchmarks/scaling.py (ring attention, all GPUs)
+#   bash benchmarks/gpu.sh train-step [ARGS]      python -m pallas_flash.bench.train_step (a
+#                                                 Llama-style training step, attention swapped)
 #
 # Logs go to $OUT/NAME.log and results to $OUT/results (gpu_common.sh). Settings, from the
 # environment: LIMIT, the seconds a job may run (590). suite: WORKERS pytest-xdist workers
@@ -75,6 +77,11 @@ huge() {
   run_logged huge "${LIMIT:-590}" python3 benchmarks/huge_check.py --out "$RESULTS" "$@"
 }
 
+train_step() {
+  run_logged train_step "${LIMIT:-590}" python3 -m pallas_flash.bench.train_step \
+    --time-limit $(( ${LIMIT:-590} - 50 )) --out "$RESULTS" "$@"
+}
+
 scaling() {
   XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.95} \
     run_logged scaling "${LIMIT:-590}" python3 benchmarks/scaling.py --out "$RESULTS" "$@"
@@ -83,10 +90,10 @@ scaling() {
 COMMAND=${1:-}
 shift || true
 case "$COMMAND" in
-  suite|bench|tune|profile|huge|scaling)
+  suite|bench|tune|profile|huge|scaling|train-step)
     source "$(dirname "$0")/gpu_common.sh"
     record_gpus
-    "$COMMAND" "$@"
+    "${COMMAND//-/_}" "$@"
     status=$?
     echo "logs: $OUT"
     exit $status ;;

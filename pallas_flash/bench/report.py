@@ -515,12 +515,18 @@ def markdown_decode(sources: list[tuple[str, dict]]) -> str:
     return "\n".join(lines).rstrip("\n") + "\n"
 
 
+def markdown_train_step(sources: list[tuple[str, dict]]) -> str:
+    # Imported here: train_step.py imports this module for its table helpers.
+    from pallas_flash.bench import train_step
+    return train_step.markdown_train_step(sources)
+
+
 # block -> (the kind of results it renders, renderer)
 _RENDER = {"headline": ("bench", markdown_headline), "speed": ("bench", markdown_speed),
            "memory": ("memory", markdown_memory), "cold-start": ("cold_start", markdown_cold_start),
-           "decode": ("decode", markdown_decode)}
+           "decode": ("decode", markdown_decode), "train-step": ("train_step", markdown_train_step)}
 # Blocks that may cite files of another kind, and say "not measured yet" for them.
-_ANY_SOURCE = {"cold-start", "decode"}
+_ANY_SOURCE = {"cold-start", "decode", "train-step"}
 
 
 # --------------------------------------------------------------------------
@@ -529,7 +535,7 @@ _ANY_SOURCE = {"cold-start", "decode"}
 
 # kind of results -> its key in a results JSON
 _KINDS = {"bench": "results", "memory": "memory", "cold_start": "cold_start",
-          "decode": "decode"}
+          "decode": "decode", "train_step": "train_step"}
 
 
 def load_result(path: str) -> tuple[list[str], dict]:
@@ -539,7 +545,8 @@ def load_result(path: str) -> tuple[list[str], dict]:
         data = json.load(f)
     kinds = [kind for kind, key in _KINDS.items() if key in data]
     if not kinds:
-        raise ValueError(f"{path}: no benchmark rows, memory sweep, cold start or decode run")
+        raise ValueError(f"{path}: no benchmark rows, memory sweep, cold start, decode or "
+                         f"training-step run")
     return kinds, data
 
 
