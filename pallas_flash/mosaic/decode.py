@@ -43,7 +43,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_flash.mosaic.common import (SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS, exp2_tanh,
-                                       stream_through_slots)
+                                       plus_pv_through_smem, stream_through_slots)
 from pallas_flash.mosaic.config import SMEM_LIMIT, SMEM_RESERVED, WG_ROWS
 from pallas_flash.stats import LOG2E
 
@@ -275,16 +275,7 @@ def _kernel(*refs, plan, tiles: DecodeTiles, n_tiles: int):
                 clean_values(j, slot)
 
             if plan.interpret:
-                # The interpreter takes no wgmma operand in registers: P goes through smem.
-                my_p = p_smem[0].at[wg]
-                my_p[...] = p_in
-                plgpu.commit_smem()
-
-                def fresh(acc_ref):
-                    plgpu.wgmma(acc_ref, my_p, v_smem.at[slot])
-                    return acc_ref[...]
-
-                acc = acc + pl.run_scoped(fresh, plgpu.ACC((WG_ROWS, head_dim), jnp.float32))
+                acc = plus_pv_through_smem(acc, p_in, p_smem[0].at[wg], v_smem.at[slot])
             else:
                 def weighted_values(acc_ref):
                     plgpu.wgmma(acc_ref, p_in, v_smem.at[slot])

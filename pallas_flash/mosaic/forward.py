@@ -46,7 +46,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_flash.masking import PAD_KEY_ID, PAD_QUERY_ID, segment_block_ranges
 from pallas_flash.mosaic.common import (clamp_range, logit_units, narrowed, pad_seq,
-                                       query_tile_position, profile_params, unsupported_operands)
+                                        plus_pv_through_smem, profile_params,
+                                        query_tile_position, unsupported_operands)
 from pallas_flash.mosaic.config import (SMEM_LIMIT, MosaicForwardConfig, default_forward_config,
                                        register_budget)
 from pallas_flash.mosaic.schedule import CLUSTER_AXIS, TileGrid, forward_order
@@ -170,15 +171,7 @@ def _kernel_body(q_ref, k_ref, v_ref, q_ids_ref, kv_ids_ref, cta_seg_ref, wg_seg
             return m_new, alpha, p, l
 
         def plus_pv_interpret(acc, p_in, slot):
-            my_p = p_smem[0].at[wg]
-            my_p[...] = p_in
-            plgpu.commit_smem()
-
-            def fresh(acc_ref):
-                plgpu.wgmma(acc_ref, my_p, v_smem.at[slot])
-                return acc_ref[...]
-
-            return acc + pl.run_scoped(fresh, plgpu.ACC((block_q, head_dim), jnp.float32))
+            return plus_pv_through_smem(acc, p_in, p_smem[0].at[wg], v_smem.at[slot])
 
         def step(j, carry, masked: bool):
             acc, m, l = carry
