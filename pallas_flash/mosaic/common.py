@@ -126,19 +126,6 @@ def stream_through_slots(issue, slot_free, stages: int, total):
     lax.fori_loop(jnp.maximum(total - stages, 0), total, last_release, None)
 
 
-def plus_pv_through_smem(acc, p_in, p_ref, v_ref):
-    """acc + P V in interpret mode, which takes no wgmma operand in registers: P is staged in
-    `p_ref` (shared memory) first."""
-    p_ref[...] = p_in
-    plgpu.commit_smem()
-
-    def fresh(acc_ref):
-        plgpu.wgmma(acc_ref, p_ref, v_ref)
-        return acc_ref[...]
-
-    return acc + pl.run_scoped(fresh, plgpu.ACC(acc.shape, jnp.float32))
-
-
 def profile_params(directory: str, ranges: int) -> dict:
     """CompilerParams arguments recording the kernel's named scopes into a trace in
     `directory` ({} when empty; benchmarks/kernel_trace.py reads it). `ranges`: the most scopes

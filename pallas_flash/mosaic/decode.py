@@ -43,8 +43,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_flash.mosaic.common import (SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS, exp2_tanh,
-                                       plus_pv_through_smem, stream_through_slots)
+                                       stream_through_slots)
 from pallas_flash.mosaic.config import SMEM_LIMIT, SMEM_RESERVED, WG_ROWS
+from pallas_flash.mosaic.tiles import product
 from pallas_flash.stats import LOG2E
 
 __all__ = ["KERNEL_NAME", "DecodeTiles", "default_tiles", "partial", "unsupported_reason"]
@@ -275,7 +276,9 @@ def _kernel(*refs, plan, tiles: DecodeTiles, n_tiles: int):
                 clean_values(j, slot)
 
             if plan.interpret:
-                acc = plus_pv_through_smem(acc, p_in, p_smem[0].at[wg], v_smem.at[slot])
+                # The interpreter takes no wgmma operand in registers: P goes through smem.
+                acc = product(acc, p_in, v_smem.at[slot], interpret=True,
+                              stage_ref=p_smem[0].at[wg])
             else:
                 def weighted_values(acc_ref):
                     plgpu.wgmma(acc_ref, p_in, v_smem.at[slot])

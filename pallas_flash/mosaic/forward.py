@@ -46,11 +46,12 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_flash.masking import PAD_KEY_ID, PAD_QUERY_ID, segment_block_ranges
 from pallas_flash.mosaic.common import (clamp_range, logit_units, narrowed, pad_seq,
-                                        plus_pv_through_smem, profile_params,
-                                        query_tile_position, unsupported_operands)
+                                        profile_params, query_tile_position,
+                                        unsupported_operands)
 from pallas_flash.mosaic.config import (SMEM_LIMIT, MosaicForwardConfig, default_forward_config,
                                        register_budget)
 from pallas_flash.mosaic.schedule import CLUSTER_AXIS, TileGrid, forward_order
+from pallas_flash.mosaic.tiles import product
 from pallas_flash.mosaic.schedule import forward_order as _launch_order  # noqa: F401
 from pallas_flash.spec import AttentionSpec
 from pallas_flash.stats import LOG2E, RowStats, logit_scale
@@ -171,7 +172,7 @@ def _kernel_body(q_ref, k_ref, v_ref, q_ids_ref, kv_ids_ref, cta_seg_ref, wg_seg
             return m_new, alpha, p, l
 
         def plus_pv_interpret(acc, p_in, slot):
-            return plus_pv_through_smem(acc, p_in, p_smem[0].at[wg], v_smem.at[slot])
+            return product(acc, p_in, v_smem.at[slot], interpret=True, stage_ref=p_smem[0].at[wg])
 
         def step(j, carry, masked: bool):
             acc, m, l = carry
