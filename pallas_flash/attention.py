@@ -242,11 +242,10 @@ def _choose_backends(backend: str, spec: AttentionSpec, q, k, v, *,
     forced backend cannot serve the call. "auto" never raises: Triton serves everything."""
     if backend == "triton":
         return "triton", "triton"
-    triton_only = _triton_only_reason(q, v)
     if backend == "auto":
         # Interpret mode stays on Triton: the Mosaic interpreter is far slower, and a CPU has no
         # Mosaic speed to gain. A FlashConfig names Triton tiles, so it asks for Triton.
-        if (spec.interpret or explicit_config or not _is_sm90() or triton_only is not None
+        if (spec.interpret or explicit_config or not _is_sm90()
                 or mosaic_forward.unsupported_reason(spec, q, k, v) is not None):
             return "triton", "triton"
         served = mosaic_backward.unsupported_reason(spec, q, k, v) is None
@@ -254,21 +253,12 @@ def _choose_backends(backend: str, spec: AttentionSpec, q, k, v, *,
     if not spec.interpret and not _is_sm90():
         raise ValueError(f"backend='mosaic' needs an sm_90 GPU (H100, H200) or "
                          f"interpret=True; this device has compute capability {_capability()}")
-    reason = triton_only or mosaic_forward.unsupported_reason(spec, q, k, v)
+    reason = mosaic_forward.unsupported_reason(spec, q, k, v)
     if reason is not None:
         raise ValueError(f"backend='mosaic' cannot serve this call ({reason}); "
                          f"backend='auto' or 'triton' can")
     backward = "mosaic" if mosaic_backward.unsupported_reason(spec, q, k, v) is None else "triton"
     return "mosaic", backward
-
-
-def _triton_only_reason(q, v) -> str | None:
-    """What only the Triton kernels serve, checked before the Mosaic kernels' own reasons,
-    which assume one head_dim: a V head_dim other than Q/K's."""
-    if v.shape[-1] != q.shape[-1]:
-        return (f"v head_dim {v.shape[-1]} differs from q and k's {q.shape[-1]}; the Mosaic "
-                f"kernels take one head_dim")
-    return None
 
 
 def _capability() -> str:

@@ -120,21 +120,18 @@ def test_check_grads_float64(x64):
 
 # ---- backend choice ----------------------------------------------------------------------------
 
-def test_auto_routes_to_triton_before_asking_mosaic(monkeypatch):
-    # As on a compiled H100 / H200; the Mosaic kernels' own checks assume one head_dim, so
-    # they must not be consulted at all.
+def test_auto_routes_to_triton_and_mosaic_names_the_v_head_dim(monkeypatch):
+    # As on a compiled H100 / H200: the Mosaic kernels' own operand check refuses a V head_dim
+    # of its own, so "auto" takes Triton and a forced "mosaic" says why.
     monkeypatch.setattr(attention, "_is_sm90", lambda: True)
-
-    def never(*args, **kwargs):
-        raise AssertionError("the Mosaic kernels were asked about a V head_dim of its own")
-
-    monkeypatch.setattr(attention.mosaic_forward, "unsupported_reason", never)
-    monkeypatch.setattr(attention.mosaic_backward, "unsupported_reason", never)
     q, k, v = _arrays((1, 128, 4, 192), (1, 128, 2, 192), (1, 128, 2, 128), jnp.bfloat16)
     spec = make_spec(128, 128, 192, jnp.bfloat16, interpret=False)
+    for module in (attention.mosaic_forward, attention.mosaic_backward):
+        assert "v head_dim 128 differs from q and k's 192" in module.unsupported_reason(
+            spec, q, k, v)
     assert attention._choose_backends("auto", spec, q, k, v) == ("triton", "triton")
-    with pytest.raises(ValueError, match=r"backend='mosaic' cannot serve this call \(v head_dim "
-                                         r"128 differs from q and k's 192"):
+    with pytest.raises(ValueError, match=r"backend='mosaic' cannot serve this call \(mosaic "
+                                         r"forward: v head_dim 128 differs from q and k's 192"):
         attention._choose_backends("mosaic", spec, q, k, v)
 
 
@@ -163,7 +160,8 @@ def test_errors_where_only_one_head_dim_is_served():
                             window=None, softcap=None, q_segment_ids=None, kv_segment_ids=None,
                             q_lengths=None, kv_lengths=None)
     q, k, v = (jnp.ones(x.shape) for x in (q, k, v))
-    with pytest.raises(ValueError, match=r"backend='mosaic' cannot serve this call \(v head_dim"):
+    with pytest.raises(ValueError, match=r"backend='mosaic' cannot serve this call "
+                                         r"\(mosaic forward: v head_dim"):
         pf.flash_attention(q, k, v, backend="mosaic", interpret=True)
     for implementation in ("xla", "cudnn"):
         with pytest.raises(ValueError, match=r"value head dim other than the query's is served "

@@ -23,11 +23,14 @@ def unsupported_operands(which: str, q, k, v):
     """Why the Mosaic `which` pass cannot take these operands, or None."""
     q_heads, head_dim = q.shape[2:]
     kv_heads = k.shape[2]
+    if v.shape[-1] != head_dim:
+        return (f"mosaic {which}: v head_dim {v.shape[-1]} differs from q and k's {head_dim}; "
+                f"the Mosaic kernels take one head_dim")
     if jnp.dtype(q.dtype) not in SUPPORTED_DTYPES:
         return f"mosaic {which}: dtype {jnp.dtype(q.dtype).name} (only bfloat16 and float16)"
     if not (q.dtype == k.dtype == v.dtype):
         return f"mosaic {which}: q, k and v must share one dtype"
-    if head_dim not in SUPPORTED_HEAD_DIMS or v.shape[-1] != head_dim:
+    if head_dim not in SUPPORTED_HEAD_DIMS:
         return f"mosaic {which}: head_dim {head_dim} (only {SUPPORTED_HEAD_DIMS})"
     if q_heads % kv_heads:
         return f"mosaic {which}: q_heads {q_heads} not a multiple of kv_heads {kv_heads}"
