@@ -123,7 +123,7 @@ def _fused_body(q_ref, k_ref, v_ref, do_ref, st_ref, dk_ref, dv_ref, dq_ref,
                     cta_hi - 1 - lax.div(t, jnp.int32(group)))
         return kv_head * group + lax.div(t, per_head), cta_hi - 1 - lax.rem(t, per_head)
 
-    def compute(w):
+    def compute(w: int):
         plgpu.set_max_registers(cfg.compute_registers, action="increase")
         key0 = kv_start + w * WG_ROWS
         lo, full_lo, full_hi, hi = clamp_range(
@@ -133,7 +133,7 @@ def _fused_body(q_ref, k_ref, v_ref, do_ref, st_ref, dk_ref, dv_ref, dq_ref,
         shape = (WG_ROWS, BLOCK_Q)
         # dQ columns this warpgroup computes, from col0 (all of them on its turns).
         cols = head_dim if by_turns else head_dim // 2
-        col0 = 0 if by_turns else pl.multiple_of(w * cols, cols)
+        col0 = 0 if by_turns else w * cols
         # The dQ product reads both key tiles.
         with jax.named_scope("kv_wait"):
             plgpu.barrier_wait(k_loaded.at[0])
@@ -273,9 +273,9 @@ def _fused_body(q_ref, k_ref, v_ref, do_ref, st_ref, dk_ref, dv_ref, dq_ref,
             plgpu.copy_smem_to_gmem(my_v, dv_ref.at[rows])
             plgpu.wait_smem_to_gmem(0)
 
-    # One body for both compute warpgroups (w = wg, dynamic): two static copies would double the
-    # kernel that Mosaic's layout inference and lowering work through.
-    pl.when(wg < 2)(lambda: compute(wg))
+    for w in range(2):
+        # Static warpgroup index: static column slices of K and of the dQ tile.
+        pl.when(wg == w)(functools.partial(compute, w))
 
     @pl.when(wg == 2)
     def _copy():
