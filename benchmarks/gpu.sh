@@ -9,6 +9,8 @@
 #                                                 (default: one benchmark case)
 #   bash benchmarks/gpu.sh huge [ARGS]            benchmarks/huge_check.py (> 2**31 elements)
 #   bash benchmarks/gpu.sh scaling [ARGS]         benchmarks/scaling.py (ring attention, all GPUs)
+#   bash benchmarks/gpu.sh ring-trace [ARGS]      benchmarks/ring_trace.py (whether the ring's
+#                                                 transfers run under its kernels, from a trace)
 #   bash benchmarks/gpu.sh train-step [ARGS]      python -m pallas_flash.bench.train_step (a
 #                                                 Llama-style training step, attention swapped)
 #
@@ -87,10 +89,14 @@ scaling() {
     run_logged scaling "${LIMIT:-590}" python3 benchmarks/scaling.py --out "$RESULTS" "$@"
 }
 
+ring_trace() {
+  run_logged ring_trace "${LIMIT:-590}" python3 benchmarks/ring_trace.py --out "$RESULTS" "$@"
+}
+
 COMMAND=${1:-}
 shift || true
 case "$COMMAND" in
-  suite|bench|tune|profile|huge|scaling|train-step)
+  suite|bench|tune|profile|huge|scaling|train-step|ring-trace)
     source "$(dirname "$0")/gpu_common.sh"
     record_gpus
     "${COMMAND//-/_}" "$@"
