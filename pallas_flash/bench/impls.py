@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import math
+import re
 from typing import Callable
 
 import jax
@@ -25,12 +26,14 @@ class NotApplicable(Exception):
 
 
 def short_error(exc: BaseException) -> str:
-    """One line that says what went wrong, e.g. 'OOM: RESOURCE_EXHAUSTED: ...'."""
+    """One line that says what went wrong: 'OOM: could not allocate 60.30GiB' for XLA's
+    out-of-memory errors, else the exception's type and first line."""
     text = str(exc).strip()
     first = text.splitlines()[0] if text else ""
-    msg = f"{type(exc).__name__}: {first}" if first else type(exc).__name__
     if "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower():
-        msg = "OOM: " + msg
+        size = re.search(r"allocate ([0-9.]+ ?[KMGT]i?B)", text)
+        return "OOM: could not allocate " + size.group(1) if size else f"OOM: {first[:180]}"
+    msg = f"{type(exc).__name__}: {first}" if first else type(exc).__name__
     return msg[:200]
 
 

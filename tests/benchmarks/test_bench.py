@@ -230,3 +230,12 @@ def test_smoke_renders_as_markdown(smoke):
     assert len(table) == len(result["results"])
     headline = report.markdown_headline([("bench.json", result)])
     assert headline.count("| 1 × 128, 2 q / 1 kv heads, d 32 |") == 2  # both masks
+
+
+def test_short_error_names_the_allocation_that_failed():
+    from pallas_flash.bench.impls import short_error
+    oom = RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 60.30GiB "
+                       "with allocator GPU_0_bfc on device 0.\nmore")
+    assert short_error(oom) == "OOM: could not allocate 60.30GiB"
+    assert short_error(RuntimeError("CUDA: out of memory")) == "OOM: CUDA: out of memory"
+    assert short_error(ValueError("bad\nline two")) == "ValueError: bad"
