@@ -89,6 +89,29 @@ def _jax_pallas_triton(q, k, v, causal, **kw):
                              interpret=jax.default_backend() == "cpu")
 
 
+def _tokamax(q, k, v, causal, **kw):
+    """tokamax.dot_product_attention on its Pallas kernels (Mosaic, else Triton): its default
+    list ends in XLA, which would time something else. Absent tokamax reads n.a."""
+    try:
+        import tokamax
+    except ImportError as e:
+        raise NotApplicable(f"tokamax is not importable ({short_error(e)})") from e
+    kw = dict(kw)
+    options = {}
+    if kw.get("softcap") is not None:
+        options["logits_soft_cap"] = kw.pop("softcap")
+    if "window" in kw:
+        options["local_window_size"] = tuple(kw.pop("window"))
+    q_ids, kv_ids = kw.pop("q_segment_ids", None), kw.pop("kv_segment_ids", None)
+    if q_ids is not None:
+        options["mask"] = q_ids[:, None, :, None] == kv_ids[:, None, None, :]
+    kw.pop("softcap", None)
+    if kw:
+        raise NotApplicable(f"unsupported options {sorted(kw)}")
+    return tokamax.dot_product_attention(q, k, v, is_causal=causal,
+                                         implementation=("mosaic", "triton"), **options)
+
+
 # name -> fn(q, k, v, causal, **variant_kwargs). Add entries to compare more.
 IMPLS: dict[str, Callable[..., jax.Array]] = {
     "pallas_flash": _pallas_flash(),
@@ -99,4 +122,6 @@ IMPLS: dict[str, Callable[..., jax.Array]] = {
     "xla": _jax_nn("xla"),
     # Only when named in --impls: it has no GQA.
     "jax_pallas_triton": _jax_pallas_triton,
+    # Only when named in --impls (and installed).
+    "tokamax": _tokamax,
 }

@@ -78,24 +78,12 @@ PRESETS: dict[str, dict[str, Any]] = {
 # --------------------------------------------------------------------------------------------
 
 
-def _tokamax_attention(q, k, v):
-    try:
-        import tokamax
-    except ImportError as e:
-        raise NotApplicable(f"tokamax not importable ({short_error(e)})") from e
-    # Its Pallas kernels only: its default list ends in XLA, which would time something else.
-    return tokamax.dot_product_attention(q, k, v, is_causal=True,
-                                         implementation=("mosaic", "triton"))
-
-
 def attention_fn(impl: str) -> llama.Attention:
     """attn(q, k, v), causal, for one implementation name."""
-    if impl == "tokamax":
-        if importlib.util.find_spec("tokamax") is None:
-            raise NotApplicable("tokamax not importable (not installed)")
-        return _tokamax_attention
+    if impl == "tokamax" and importlib.util.find_spec("tokamax") is None:
+        raise NotApplicable("tokamax not importable (not installed)")
     if impl not in IMPLS:
-        raise ValueError(f"impl must be one of {sorted(set(IMPLS) | {'tokamax'})}, got {impl!r}")
+        raise ValueError(f"impl must be one of {sorted(IMPLS)}, got {impl!r}")
     fn = IMPLS[impl]
     return lambda q, k, v: fn(q, k, v, True)
 

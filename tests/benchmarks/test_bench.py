@@ -239,3 +239,14 @@ def test_short_error_names_the_allocation_that_failed():
     assert short_error(oom) == "OOM: could not allocate 60.30GiB"
     assert short_error(RuntimeError("CUDA: out of memory")) == "OOM: CUDA: out of memory"
     assert short_error(ValueError("bad\nline two")) == "ValueError: bad"
+
+
+def test_tokamax_is_an_implementation_that_says_when_it_is_absent():
+    import importlib.util
+
+    from pallas_flash.bench.impls import IMPLS, NotApplicable
+    if importlib.util.find_spec("tokamax") is not None:
+        pytest.skip("tokamax is installed: the benchmark times it on a GPU")
+    x = jnp.ones((1, 8, 2, 16), jnp.float32)
+    with pytest.raises(NotApplicable, match="tokamax is not importable"):
+        IMPLS["tokamax"](x, x, x, True)
