@@ -116,6 +116,8 @@ def test_off_without_compilation_cache_or_when_switched_off(cache_dir, monkeypat
     _lower()
     assert _entries(cache_dir) == []
     monkeypatch.delenv(lowering_cache.ENV_SWITCH)
+    jax.config.update("jax_compilation_cache_dir", "gs://a-bucket/jax-cache")
+    assert lowering_cache.directory() is None   # remote: JAX's own cache only
     jax.config.update("jax_compilation_cache_dir", None)
     assert lowering_cache.directory() is None
     _lower()

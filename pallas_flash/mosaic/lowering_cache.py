@@ -21,8 +21,8 @@ parameters, the SPMD mesh, the jax and jaxlib versions and every `MOSAIC_GPU*` e
 variable. A jaxpr whose printed form does not pin it down (a parameter printed by identity,
 not value) only misses the cache, since the identity differs between processes.
 
-Off when JAX's compilation cache is off, when `PALLAS_FLASH_LOWERING_CACHE=0`, or when the
-installed jax lacks the wrapped function (the kernels then lower as usual). A cache file that
+Off when JAX's compilation cache is off or remote (a URL), when `PALLAS_FLASH_LOWERING_CACHE=0`,
+or when the installed jax lacks the wrapped function (the kernels then lower as usual). A cache file that
 cannot be read or parsed is ignored and rewritten.
 """
 
@@ -52,7 +52,10 @@ def directory() -> str | None:
     if os.environ.get(ENV_SWITCH, "1") == "0":
         return None
     base = jax.config.jax_compilation_cache_dir
-    return os.path.join(base, _SUBDIR) if base else None
+    # A remote cache (gs://, s3://, ...) is JAX's to reach; this module writes local files only.
+    if not base or "://" in str(base):
+        return None
+    return os.path.join(os.path.expanduser(str(base)), _SUBDIR)
 
 
 def cache_key(gpu_mesh, jax_mesh, jaxpr, in_shapes, out_shapes, params) -> str:
