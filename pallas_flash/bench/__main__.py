@@ -43,7 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ref-rows", type=int, default=None,
                    help="query rows sampled for the f32 reference (default 256)")
     p.add_argument("--variants", action="store_true",
-                   help="also run packed documents, sliding window and softcap cases")
+                   help="also run packed documents, sliding window, softcap and sinks cases")
     p.add_argument("--memory", action="store_true",
                    help="instead: peak memory of one fwd+bwd step as seq grows "
                         "(batch 1, 16 heads, head_dim 128, causal), one subprocess per point")

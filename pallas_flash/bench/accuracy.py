@@ -25,15 +25,15 @@ def sample_rows(seq: int, count: int, key) -> jax.Array:
 
 def reference_rows(q, k, v, rows, *, causal: bool, scale: float | None = None,
                    window=None, softcap=None, q_segment_ids=None,
-                   kv_segment_ids=None) -> jax.Array:
+                   kv_segment_ids=None, sinks=None) -> jax.Array:
     """Attention output for query rows `rows` only, in float32, plain jnp.
 
     Uses q[:, rows] against all keys, so memory is O(len(rows) * Skv), not
     O(Sq * Skv). The mask is built from the absolute row indices: with the
     top-left causal convention query i sees keys j <= i (the cases here have
     Sq == Skv, where top-left and bottom-right agree); window (left, right)
-    keeps i - left <= j <= i + right (None = unbounded). Returns
-    [batch, len(rows), q_heads, head_dim].
+    keeps i - left <= j <= i + right (None = unbounded); sinks [q_heads] join each row's
+    softmax denominator with no value row. Returns [batch, len(rows), q_heads, head_dim].
     """
     batch, _, q_heads, head_dim = q.shape
     seq_kv, kv_heads = k.shape[1], k.shape[2]
@@ -65,9 +65,15 @@ def reference_rows(q, k, v, rows, *, causal: bool, scale: float | None = None,
 
     s = jnp.where(keep, s, -jnp.inf)
     m = jnp.max(s, axis=-1, keepdims=True)
+    sink = None
+    if sinks is not None:
+        sink = sinks.astype(jnp.float32).reshape(kv_heads, group)[None, :, :, None, None]
+        m = jnp.maximum(m, sink)
     m = jnp.where(jnp.isfinite(m), m, 0.0)  # fully masked rows give 0, not NaN
     p = jnp.where(keep, jnp.exp(s - m), 0.0)
     denom = jnp.sum(p, axis=-1, keepdims=True)
+    if sink is not None:
+        denom = denom + jnp.exp(sink - m)
     p = p / jnp.where(denom == 0, 1.0, denom)
     out = jnp.einsum("bkgrs,bskd->brkgd", p, v.astype(jnp.float32), precision=hi)
     return out.reshape(batch, len(rows), q_heads, head_dim)

@@ -1,7 +1,8 @@
 """The benchmark's cases: shapes, variants, random inputs and the FLOP formula.
 
 A case is ``batch x seq x q_heads x kv_heads x head_dim`` plus the mask (causal or not) and an
-optional variant (packed documents, a sliding window or a logit softcap). Its inputs are random
+optional variant (packed documents, a sliding window, a logit softcap or attention sinks). Its
+inputs are random
 normal, never zeros: zeros make every softmax row uniform and hide bugs.
 """
 
@@ -41,7 +42,7 @@ class Case:
     kv_heads: int
     head_dim: int
     causal: bool
-    variant: str | None = None  # None, "packed", "window" or "softcap"
+    variant: str | None = None  # None, "packed", "window", "softcap" or "sinks"
 
     @property
     def shape_name(self) -> str:
@@ -83,6 +84,7 @@ def variant_cases() -> list[Case]:
         Case(1, 16384, 16, 16, 128, True, "packed"),   # 12 documents in 16k tokens
         Case(1, 32768, 16, 16, 128, True, "window"),   # sliding window 4096
         Case(2, 8192, 16, 16, 128, True, "softcap"),   # logit softcap 50
+        Case(2, 8192, 16, 16, 128, True, "sinks"),     # one sink logit per head, N(0, 1)
     ]
 
 
@@ -107,6 +109,8 @@ def variant_kwargs(case: Case, key) -> dict[str, Any]:
         return {"window": WINDOW}
     if case.variant == "softcap":
         return {"softcap": SOFTCAP}
+    if case.variant == "sinks":
+        return {"sinks": jax.random.normal(key, (case.q_heads,), jnp.float32)}
     raise ValueError(f"unknown variant {case.variant!r}")
 
 

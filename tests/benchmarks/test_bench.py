@@ -175,12 +175,14 @@ def test_variants_small(tmp_path, monkeypatch):
         cases.Case(1, 64, 1, 1, 16, True, "packed"),
         cases.Case(1, 64, 1, 1, 16, True, "window"),
         cases.Case(1, 64, 1, 1, 16, True, "softcap"),
+        cases.Case(1, 64, 2, 1, 16, True, "sinks"),
     ])
     result = main(["--smoke", "--cases", "none", "--variants",
                          "--impls", "pallas_flash,xla", "--out", str(tmp_path)])
     rows = {(r["variant"], r["impl"]): r for r in result["results"]}
-    assert len(rows) == 9
+    assert len(rows) == 12
     assert rows[("softcap", "xla")]["status"] == "n.a."
+    assert rows[("sinks", "xla")]["status"] == "n.a."
     for (variant, impl), r in rows.items():
         if r["status"] == "n.a.":
             continue
@@ -188,8 +190,9 @@ def test_variants_small(tmp_path, monkeypatch):
         # xla expresses segments as a dense mask and the window through
         # local_window_size: agreeing with the reference checks the translation.
         assert r["err_vs_ref"] < 2e-2, r
-        if impl == cases.PLAIN:
-            assert r["fwd_flops"] == cases.attention_flops(1, 64, 64, 1, 16, True)
+        heads = 2 if variant == "sinks" else 1
+        if impl == cases.PLAIN or variant == "sinks":
+            assert r["fwd_flops"] == cases.attention_flops(1, 64, 64, heads, 16, True)
         elif variant != "softcap":
             assert r["fwd_flops"] < cases.attention_flops(1, 64, 64, 1, 16, True)
     assert "n.a.: no softcap" in report.format_table(result["results"])
@@ -250,3 +253,18 @@ def test_tokamax_is_an_implementation_that_says_when_it_is_absent():
     x = jnp.ones((1, 8, 2, 16), jnp.float32)
     with pytest.raises(NotApplicable, match="tokamax is not importable"):
         IMPLS["tokamax"](x, x, x, True)
+
+
+def test_reference_rows_take_sinks():
+    # The sampled-rows reference with sinks agrees with reference_attention's.
+    import pallas_flash as pf
+    keys = jax.random.split(jax.random.PRNGKey(7), 4)
+    q = jax.random.normal(keys[0], (2, 40, 4, 16), jnp.float32)
+    k, v = (jax.random.normal(kk, (2, 40, 2, 16), jnp.float32) for kk in keys[1:3])
+    sinks = 2.0 * jax.random.normal(keys[3], (4,), jnp.float32)
+    rows = jnp.array([0, 7, 39])
+    got = accuracy.reference_rows(q, k, v, rows, causal=True, sinks=sinks)
+    want = pf.reference_attention(q, k, v, causal=True, sinks=sinks)[:, rows]
+    assert accuracy.rel_err(got, want) < 1e-5
+    plain = accuracy.reference_rows(q, k, v, rows, causal=True)
+    assert accuracy.rel_err(plain, want) > 1e-3   # the sinks change the result
