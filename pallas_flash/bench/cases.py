@@ -2,8 +2,7 @@
 
 A case is ``batch x seq x q_heads x kv_heads x head_dim`` plus the mask (causal or not) and an
 optional variant (packed documents, a sliding window, a logit softcap or attention sinks). Its
-inputs are random
-normal, never zeros: zeros make every softmax row uniform and hide bugs.
+inputs are random normal, never zeros: zeros make every softmax row uniform and hide bugs.
 """
 
 from __future__ import annotations

@@ -45,7 +45,7 @@ import numpy as np
 import pallas_flash
 from pallas_flash.bench.accuracy import rel_err
 from pallas_flash.bench.cases import parse_seq, seq_label
-from pallas_flash.bench.impls import NotApplicable, short_error
+from pallas_flash.bench.impls import NotApplicable, import_tokamax, short_error
 from pallas_flash.bench.timing import time_calls
 
 # The matrix of the issue: every combination of these, q_len 1 and 4, both cache layouts.
@@ -170,10 +170,7 @@ def _jax_nn(implementation: str) -> Callable:
 
 def _tokamax(q, k, v, kv_lengths, block_table):
     del block_table
-    try:
-        import tokamax
-    except ImportError as e:
-        raise NotApplicable("tokamax is not importable") from e
+    tokamax = import_tokamax()
     mask = bottom_right_mask(kv_lengths, q.shape[1], k.shape[1]) if q.shape[1] > 1 else None
     try:
         return tokamax.dot_product_attention(q, k, v, mask=mask,

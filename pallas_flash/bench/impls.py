@@ -49,19 +49,31 @@ def _pallas_flash(backend: str = "auto"):
     return fn
 
 
+def pop_segment_mask(kw: dict):
+    """The segment ids popped from kw as a dense [B, 1, Sq, Skv] boolean mask (None without),
+    for APIs that take no segment ids. 16k x 16k is 256 MiB of bool, fine for a benchmark."""
+    q_ids, kv_ids = kw.pop("q_segment_ids", None), kw.pop("kv_segment_ids", None)
+    return None if q_ids is None else q_ids[:, None, :, None] == kv_ids[:, None, None, :]
+
+
+def import_tokamax():
+    """The tokamax module, or NotApplicable saying it is not importable."""
+    try:
+        import tokamax
+    except ImportError as e:
+        raise NotApplicable(f"tokamax is not importable ({short_error(e)})") from e
+    return tokamax
+
+
 def _jax_nn(implementation: str):
     def fn(q, k, v, causal, **kw):
         kw = dict(kw)
-        mask, window = None, None
+        window = None
         if kw.pop("softcap", None) is not None:
             raise NotApplicable("no softcap in jax.nn.dot_product_attention")
         if "window" in kw:
             window = tuple(kw.pop("window"))
-        q_ids, kv_ids = kw.pop("q_segment_ids", None), kw.pop("kv_segment_ids", None)
-        if q_ids is not None:
-            # No segment ids in the public API: a dense [B, 1, Sq, Skv] mask.
-            # 16k x 16k is 256 MiB of bool, acceptable for a benchmark.
-            mask = q_ids[:, None, :, None] == kv_ids[:, None, None, :]
+        mask = pop_segment_mask(kw)
         if kw:
             raise NotApplicable(f"unsupported options {sorted(kw)}")
         return jax.nn.dot_product_attention(
@@ -92,20 +104,11 @@ def _jax_pallas_triton(q, k, v, causal, **kw):
 def _tokamax(q, k, v, causal, **kw):
     """tokamax.dot_product_attention on its Pallas kernels (Mosaic, else Triton): its default
     list ends in XLA, which would time something else. Absent tokamax reads n.a."""
-    try:
-        import tokamax
-    except ImportError as e:
-        raise NotApplicable(f"tokamax is not importable ({short_error(e)})") from e
+    tokamax = import_tokamax()
     kw = dict(kw)
-    options = {}
-    if kw.get("softcap") is not None:
-        options["logits_soft_cap"] = kw.pop("softcap")
+    options = {"logits_soft_cap": kw.pop("softcap", None), "mask": pop_segment_mask(kw)}
     if "window" in kw:
         options["local_window_size"] = tuple(kw.pop("window"))
-    q_ids, kv_ids = kw.pop("q_segment_ids", None), kw.pop("kv_segment_ids", None)
-    if q_ids is not None:
-        options["mask"] = q_ids[:, None, :, None] == kv_ids[:, None, None, :]
-    kw.pop("softcap", None)
     if kw:
         raise NotApplicable(f"unsupported options {sorted(kw)}")
     return tokamax.dot_product_attention(q, k, v, is_causal=causal,

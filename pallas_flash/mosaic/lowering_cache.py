@@ -30,12 +30,14 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import io
 import json
 import os
 import tempfile
 
 import jax
 import jaxlib
+import numpy as np
 
 __all__ = ["install", "directory", "cache_key", "ENV_SWITCH"]
 
@@ -78,12 +80,12 @@ def _shapes(structs) -> list:
 
 
 def _structs(items) -> tuple:
-    import numpy as np
     return tuple(jax.ShapeDtypeStruct(tuple(shape), np.dtype(dtype)) for shape, dtype in items)
 
 
-def _read(path: str, result_type):
+def _read(path: str):
     from jax._src.lib.mlir import ir
+    from jax._src.pallas.mosaic_gpu.lowering import LoweringResult
     try:
         with open(path + ".json") as f:
             meta = json.load(f)
@@ -91,9 +93,9 @@ def _read(path: str, result_type):
             module = ir.Module.parse(f.read())
     except Exception:  # noqa: BLE001 - absent, partly written or unparsable: lower afresh
         return None
-    return result_type(module=module, grid=tuple(meta["grid"]), block=tuple(meta["block"]),
-                       new_out_shapes=_structs(meta["new_out_shapes"]), profiler_spec=None,
-                       gmem_scratch_shapes=_structs(meta["gmem_scratch_shapes"]))
+    return LoweringResult(module=module, grid=tuple(meta["grid"]), block=tuple(meta["block"]),
+                          new_out_shapes=_structs(meta["new_out_shapes"]), profiler_spec=None,
+                          gmem_scratch_shapes=_structs(meta["gmem_scratch_shapes"]))
 
 
 def _write(path: str, result) -> None:
@@ -118,7 +120,6 @@ def _write(path: str, result) -> None:
 
 
 def _bytecode(module) -> bytes:
-    import io
     buffer = io.BytesIO()
     module.operation.write_bytecode(buffer)
     return buffer.getvalue()
@@ -134,13 +135,9 @@ def _cached(lower):
             return lower(gpu_mesh, jax_mesh, jaxpr, in_shapes, out_shapes, params, **kwargs)
         path = os.path.join(folder, cache_key(gpu_mesh, jax_mesh, jaxpr, in_shapes,
                                               out_shapes, params))
-        result_type = None
-        if os.path.exists(path + ".mlirbc"):
-            from jax._src.pallas.mosaic_gpu import lowering
-            result_type = lowering.LoweringResult
-            hit = _read(path, result_type)
-            if hit is not None:
-                return hit
+        hit = _read(path) if os.path.exists(path + ".mlirbc") else None
+        if hit is not None:
+            return hit
         result = lower(gpu_mesh, jax_mesh, jaxpr, in_shapes, out_shapes, params, **kwargs)
         if result.profiler_spec is None:
             _write(path, result)
