@@ -24,6 +24,7 @@ import pytest
 
 from pallas_flash.mosaic import backward as mosaic_backward
 from pallas_flash.mosaic import forward as mosaic_forward
+from pallas_flash.mosaic.common import SUPPORTED_HEAD_DIMS
 from pallas_flash.mosaic.config import default_backward_config, default_forward_config
 from pallas_flash.triton import backward as triton_backward
 from pallas_flash.triton import forward as triton_forward
@@ -139,12 +140,12 @@ TRITON = Backend("triton", "triton",
                  dtypes=HALF | {jnp.dtype(jnp.float32), jnp.dtype(jnp.float64)})
 
 MOSAIC = Backend(
-    "mosaic", "mosaic", dtypes=HALF, head_dims=frozenset({64, 128, 256}), needs_sm90=True,
+    "mosaic", "mosaic", dtypes=HALF, head_dims=frozenset(SUPPORTED_HEAD_DIMS), needs_sm90=True,
     interpret=frozenset({"forward", "features", "key-blocks", "launch-order", "backward",
-                         "launch-order-bwd", "fused", "paired", "defaults"}))
+                         "launch-order-bwd", "fused", "paired", "defaults", "head-dims"}))
 
 
-def _variant(name, fields, *, groups, interpret=(), head_dims=MOSAIC.head_dims):
+def _variant(name, fields, *, groups, interpret=(), head_dims=frozenset({64, 128, 256})):
     return dataclasses.replace(MOSAIC, name=name, passes=frozenset({"forward"}),
                                groups=frozenset(groups), forward_fields=tuple(fields.items()),
                                interpret=frozenset(interpret), head_dims=head_dims)

@@ -317,6 +317,14 @@ CASES = [
           ("segments-window", (2, 200, 180, 2, 1, 256), BF16,
            dict(window=(50, 20), ids=shifted_ids(3, 7, 20)))]],
 
+    # Head dims between and around 64 / 128 / 256, at the default tiles: the Mosaic kernels'
+    # swizzles and wgmma widths follow the head_dim (column halves of 80-112 above 128). Two
+    # run in interpret mode too; the rest are for the GPU.
+    *[case("head-dims", f"d{d}-causal-gqa", (1, 200, 200, 4, 2, d), BF16, causal=True,
+           interpret=d in (96, 192)) for d in (32, 48, 80, 96, 112, 160, 192, 224)],
+    *[case("head-dims", f"d{d}-window-softcap-f16", (2, 136, 100, 2, 1, d), F16,
+           window=(30, 20), softcap=2.5, interpret=False) for d in (80, 160)],
+
     # Both passes at every backend's default tiles.
     case("defaults", "gqa-full", (1, 128, 128, 4, 2, 64), BF16),
     case("defaults", "gqa-causal", (1, 128, 128, 4, 2, 64), BF16, causal=True),

@@ -102,6 +102,10 @@ CASES = [
                  id="bf16-d256-two-row-tiles"),
     pytest.param(jnp.bfloat16, 2, 1, 4, 4, 64, 8192, 128, [8192, 0], dict(),
                  id="bf16-paged128-mha-empty-sequence"),
+    pytest.param(jnp.bfloat16, 2, 4, 8, 2, 96, 1024, 32, [1000, 333], dict(window=(200, 0)),
+                 id="bf16-paged32-d96-window"),
+    pytest.param(jnp.float16, 1, 16, 16, 2, 192, 768, None, [700], dict(softcap=25.0),
+                 id="f16-d192-two-row-tiles-softcap"),
     pytest.param(jnp.float16, 2, 2, 8, 1, 128, 640, None, [640, 2], dict(num_splits=3),
                  id="f16-contiguous-mqa-q2-length-q-len"),
 ]
@@ -166,8 +170,10 @@ def _lowers(plan):
     dict(head_dim=64, page_size=256, pages_per_seq=4, q_len=16, rows=64),
     dict(q_len=16, rows=128, group=8, q_heads=16, dtype=jnp.dtype(jnp.float16)),
     dict(head_dim=256, q_len=16, rows=128, group=8, q_heads=16),
+    dict(head_dim=96, page_size=32, pages_per_seq=32),
+    dict(head_dim=160, q_len=16, rows=128, group=8, q_heads=16),
 ], ids=["contiguous", "paged16-softcap-window", "paged256-d64", "two-warpgroups-f16",
-        "d256-two-row-tiles"])
+        "d256-two-row-tiles", "paged32-d96", "d160-two-row-tiles"])
 def test_lowers_for_sm90(changes):
     _lowers(_plan(**changes))
 
@@ -180,7 +186,7 @@ def test_kernel_is_named():
     assert kernel_names(fn, q, cache) == {mosaic.KERNEL_NAME}
 
 
-@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("head_dim", [32, 64, 96, 128, 192, 256])
 @pytest.mark.parametrize("rows", [1, 4, 64, 65, 128, 256])
 @pytest.mark.parametrize("page_size", [None, 16, 256])
 def test_default_tiles_fit(head_dim, rows, page_size):
@@ -195,7 +201,7 @@ def test_default_tiles_fit(head_dim, rows, page_size):
 
 @pytest.mark.parametrize("changes,match", [
     (dict(dtype=jnp.dtype(jnp.float32)), "dtype float32"),
-    (dict(head_dim=96), "head_dim 96"),
+    (dict(head_dim=72), "head_dim 72"),
     (dict(max_len=1003, chunk=1024, num_splits=1), "max_len 1003 is not a multiple of 8"),
 ])
 def test_unsupported_reason(changes, match):

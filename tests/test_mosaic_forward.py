@@ -41,7 +41,8 @@ def _lowers(spec, cfg, q, k, v, *ids):
 @pytest.mark.parametrize("d,dtype,causal,overlap", [
     (64, jnp.bfloat16, True, False), (128, jnp.float16, False, False),
     (256, jnp.bfloat16, True, False), (128, jnp.bfloat16, True, True),
-    (64, jnp.float16, False, True)])
+    (64, jnp.float16, False, True), (96, jnp.bfloat16, True, True),
+    (192, jnp.float16, False, True)])
 def test_lowers_for_sm90(d, dtype, causal, overlap):
     q, k, v = _inputs(2, 1024, 1024, 4, 2, d, dtype)
     spec = make_spec(1024, 1024, d, dtype, causal=causal, interpret=False)
@@ -119,7 +120,8 @@ def test_staged_kernel_carries_its_name():
 
 @pytest.mark.parametrize("change,match", [
     (dict(dtype=jnp.float32), "dtype"),
-    (dict(d=96), "head_dim"),
+    (dict(d=72), "head_dim"),
+    (dict(d=144), "head_dim"),
     (dict(hq=3, hkv=2), "multiple of kv_heads"),
 ])
 def test_unsupported_raises(change, match):

@@ -15,7 +15,9 @@ from pallas_flash.mosaic.schedule import (CLUSTER_AXIS, TileGrid, cluster_tiles,
 from pallas_flash.spec import AttentionSpec
 from pallas_flash.stats import LOG2E
 
-SUPPORTED_HEAD_DIMS = (64, 128, 256)
+# Multiples of 16 (a wgmma K step, and 32-byte rows for TMA) from 32 to 256; above 128 the
+# dK/dV kernel splits the columns in two, so there multiples of 32 (halves of whole 16s).
+SUPPORTED_HEAD_DIMS = tuple(d for d in range(32, 257, 16) if d <= 128 or d % 32 == 0)
 SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
