@@ -88,6 +88,10 @@ class DecodeTiles:
 _SM_IN_FLIGHT = 128 * 1024
 # Columns of O staged at a time for its TMA store.
 _O_COLS = 64
+# O leaves in whole _O_COLS-column float32 pieces (or one piece up to that width), and cache
+# rows wider than 64 elements take the 128-byte swizzle: head_dim is at most 64, or a multiple
+# of 64. The training kernels' other head dims decode on the Triton kernel.
+DECODE_HEAD_DIMS = tuple(d for d in SUPPORTED_HEAD_DIMS if d <= _O_COLS or d % _O_COLS == 0)
 # Shared memory of each of two CTAs resident on one SM (the hardware keeps 1 KB per CTA).
 _HALF_SM = (SMEM_LIMIT - 1024) // 2
 
@@ -118,8 +122,8 @@ def unsupported_reason(plan, tiles: DecodeTiles | None = None) -> str | None:
     dtype = jnp.dtype(plan.dtype)
     if dtype not in SUPPORTED_DTYPES:
         return f"mosaic decode: dtype {dtype.name} (only bfloat16 and float16)"
-    if plan.head_dim not in SUPPORTED_HEAD_DIMS:
-        return f"mosaic decode: head_dim {plan.head_dim} (only {SUPPORTED_HEAD_DIMS})"
+    if plan.head_dim not in DECODE_HEAD_DIMS:
+        return f"mosaic decode: head_dim {plan.head_dim} (only {DECODE_HEAD_DIMS})"
     tiles = tiles or default_tiles(plan)
     if plan.chunk % tiles.block_kv:
         return f"mosaic decode: chunk {plan.chunk} is not a multiple of block_kv {tiles.block_kv}"
