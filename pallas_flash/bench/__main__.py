@@ -42,8 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "calls with one synchronisation each (host work overlapped)")
     p.add_argument("--ref-rows", type=int, default=None,
                    help="query rows sampled for the f32 reference (default 256)")
-    p.add_argument("--variants", action="store_true",
-                   help="also run packed documents, sliding window, softcap and sinks cases")
+    p.add_argument("--variants", nargs="?", const="all", default=None, metavar="NAMES",
+                   help="also run the variant cases: packed documents, sliding window, softcap "
+                        "and sinks (all), or those named, comma-separated (e.g. sinks,softcap)")
     p.add_argument("--memory", action="store_true",
                    help="instead: peak memory of one fwd+bwd step as seq grows "
                         "(batch 1, 16 heads, head_dim 128, causal), one subprocess per point")
@@ -131,6 +132,19 @@ def parse_impls(text: str | None, parser) -> list[str] | None:
     if unknown:
         parser.error(f"unknown impls {unknown}; known: {sorted(IMPLS)}")
     return names
+
+
+def select_variants(args, parser) -> list[cases.Case]:
+    """The variant cases --variants names (all of them for a bare --variants)."""
+    every = cases.variant_cases()
+    if args.variants == "all":
+        return every
+    names = [n.strip() for n in args.variants.split(",") if n.strip()]
+    known = [c.variant for c in every]
+    unknown = sorted(set(names) - set(known))
+    if unknown or not names:
+        parser.error(f"--variants takes names from {', '.join(known)}; got {args.variants!r}")
+    return [c for c in every if c.variant in names]
 
 
 def select_cases(args, parser, default=None) -> list[cases.Case]:
@@ -255,7 +269,7 @@ def run_bench(args, parser, impls, explicit_impls, meta, stamp) -> dict:
         # XLA materialises S x S logits, hopeless at 32k: only if asked for.
         v_impls = explicit_impls or ["pallas_flash", "cudnn"]
         plan += [(c, v_impls, jax.random.fold_in(key, 1000 + i))
-                 for i, c in enumerate(cases.variant_cases())]
+                 for i, c in enumerate(select_variants(args, parser))]
 
     rows: list[dict] = []
     result = {"meta": meta, "complete": False, "results": rows}

@@ -196,6 +196,14 @@ def test_variants_small(tmp_path, monkeypatch):
         elif variant != "softcap":
             assert r["fwd_flops"] < cases.attention_flops(1, 64, 64, 1, 16, True)
     assert "n.a.: no softcap" in report.format_table(result["results"])
+    # Named variants run alone, each beside its plain row.
+    result = main(["--smoke", "--cases", "none", "--variants", "sinks",
+                   "--impls", "pallas_flash", "--out", str(tmp_path)])
+    assert {(r["variant"], r["impl"]) for r in result["results"]} == {
+        ("sinks", "pallas_flash"), ("sinks", cases.PLAIN)}
+    with pytest.raises(SystemExit):
+        main(["--smoke", "--cases", "none", "--variants", "sinks,dropout", "--out",
+              str(tmp_path)])
 
 
 def test_runs_started_in_one_second_get_their_own_files(tmp_path):
