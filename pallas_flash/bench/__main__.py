@@ -158,7 +158,8 @@ def select_cases(args, parser, default=None) -> list[cases.Case]:
         except (argparse.ArgumentTypeError, ValueError) as e:
             parser.error(str(e))
     causals = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
-    return [cases.Case(*shape, causal=c) for shape in shapes for c in causals]
+    return [cases.Case(*shape[:5], causal=c, head_dim_v=shape[5] if len(shape) > 5 else None)
+            for shape in shapes for c in causals]
 
 
 def metadata(args, argv) -> dict:
@@ -176,8 +177,8 @@ def metadata(args, argv) -> dict:
         "warmup": args.warmup,
         "timer": args.timer,
         "ref_rows": args.ref_rows,
-        "flops": "fwd = 4*B*Hq*Sq*Skv*D (/2 causal); bwd = 2.5*fwd; variants count "
-                 "kept (query, key) pairs instead of Sq*Skv(/2)",
+        "flops": "fwd = 2*B*Hq*Sq*Skv*(D+Dv), Dv = D unless given (/2 causal); "
+                 "bwd = 2.5*fwd; variants count kept (query, key) pairs instead of Sq*Skv(/2)",
     }
 
 

@@ -33,7 +33,7 @@ def reference_rows(q, k, v, rows, *, causal: bool, scale: float | None = None,
     top-left causal convention query i sees keys j <= i (the cases here have
     Sq == Skv, where top-left and bottom-right agree); window (left, right)
     keeps i - left <= j <= i + right (None = unbounded); sinks [q_heads] join each row's
-    softmax denominator with no value row. Returns [batch, len(rows), q_heads, head_dim].
+    softmax denominator with no value row. Returns [batch, len(rows), q_heads, V's head_dim].
     """
     batch, _, q_heads, head_dim = q.shape
     seq_kv, kv_heads = k.shape[1], k.shape[2]
@@ -76,7 +76,7 @@ def reference_rows(q, k, v, rows, *, causal: bool, scale: float | None = None,
         denom = denom + jnp.exp(sink - m)
     p = p / jnp.where(denom == 0, 1.0, denom)
     out = jnp.einsum("bkgrs,bskd->brkgd", p, v.astype(jnp.float32), precision=hi)
-    return out.reshape(batch, len(rows), q_heads, head_dim)
+    return out.reshape(batch, len(rows), q_heads, v.shape[-1])
 
 
 def rel_err(x, ref) -> float:

@@ -42,11 +42,17 @@ class Case:
     head_dim: int
     causal: bool
     variant: str | None = None  # None, "packed", "window", "softcap" or "sinks"
+    head_dim_v: int | None = None  # V's head_dim where it is not Q/K's (MLA)
+
+    @property
+    def v_dim(self) -> int:
+        return self.head_dim if self.head_dim_v is None else self.head_dim_v
 
     @property
     def shape_name(self) -> str:
+        v = "" if self.head_dim_v is None else f"x{self.head_dim_v}"
         return (f"{self.batch}x{self.seq}x{self.q_heads}x{self.kv_heads}"
-                f"x{self.head_dim}")
+                f"x{self.head_dim}{v}")
 
     @property
     def name(self) -> str:
@@ -54,11 +60,12 @@ class Case:
 
 
 def parse_case(text: str) -> tuple[int, ...]:
-    """'2x8192x16x16x128' -> (2, 8192, 16, 16, 128)."""
+    """'2x8192x16x16x128' -> (2, 8192, 16, 16, 128); a sixth field is V's head_dim (MLA:
+    '1x8192x16x16x192x128')."""
     parts = text.strip().lower().split("x")
-    if len(parts) != 5:
+    if len(parts) not in (5, 6):
         raise argparse.ArgumentTypeError(
-            f"case {text!r} is not batch x seq x q_heads x kv_heads x head_dim")
+            f"case {text!r} is not batch x seq x q_heads x kv_heads x head_dim [x head_dim_v]")
     return tuple(int(p) for p in parts)
 
 
@@ -119,8 +126,8 @@ def make_inputs(case: Case, dtype, key):
     b, s, hq, hkv, d = case.batch, case.seq, case.q_heads, case.kv_heads, case.head_dim
     q = jax.random.normal(kq, (b, s, hq, d), dtype)
     k = jax.random.normal(kk, (b, s, hkv, d), dtype)
-    v = jax.random.normal(kv, (b, s, hkv, d), dtype)
-    do = jax.random.normal(kd, (b, s, hq, d), dtype)
+    v = jax.random.normal(kv, (b, s, hkv, case.v_dim), dtype)
+    do = jax.random.normal(kd, (b, s, hq, case.v_dim), dtype)
     return q, k, v, do
 
 
@@ -129,18 +136,21 @@ def make_inputs(case: Case, dtype, key):
 # --------------------------------------------------------------------------
 
 def attention_flops(batch: int, seq_q: int, seq_kv: int, q_heads: int,
-                    head_dim: int, causal: bool, pass_: str = "fwd") -> float:
+                    head_dim: int, causal: bool, pass_: str = "fwd",
+                    head_dim_v: int | None = None) -> float:
     """Conventional FLOP count of attention (the FlashAttention papers' convention).
 
     forward  = 4 * B * Hq * Sq * Skv * D    (two matmuls, QK^T and PV, 2 FLOPs
-               per multiply-add), halved when causal;
+               per multiply-add), halved when causal; with V's own head_dim Dv (MLA)
+               2 * B * Hq * Sq * Skv * (D + Dv);
     backward = 2.5 * forward               (five matmuls instead of two);
     fwd+bwd  = 3.5 * forward.
 
     Softmax exponentials are not counted; kv_heads does not matter (GQA shares
     K/V but each query head still does the full work).
     """
-    fwd = 4.0 * batch * q_heads * seq_q * seq_kv * head_dim
+    head_dim_v = head_dim if head_dim_v is None else head_dim_v
+    fwd = 2.0 * batch * q_heads * seq_q * seq_kv * (head_dim + head_dim_v)
     if causal:
         fwd /= 2
     return {"fwd": fwd, "bwd": 2.5 * fwd, "fwdbwd": 3.5 * fwd}[pass_]
@@ -165,6 +175,7 @@ def case_flops(case: Case, kwargs: dict[str, Any], pass_: str) -> float:
     formula over the (query, key) pairs the mask keeps, so its TFLOP/s is useful work."""
     if not {"window", "q_segment_ids"} & kwargs.keys():
         return attention_flops(case.batch, case.seq, case.seq, case.q_heads,
-                               case.head_dim, case.causal, pass_)
-    fwd = 4.0 * case.batch * case.q_heads * case.head_dim * attended_pairs(case, kwargs)
+                               case.head_dim, case.causal, pass_, case.head_dim_v)
+    fwd = (2.0 * case.batch * case.q_heads * (case.head_dim + case.v_dim)
+           * attended_pairs(case, kwargs))
     return {"fwd": fwd, "bwd": 2.5 * fwd, "fwdbwd": 3.5 * fwd}[pass_]

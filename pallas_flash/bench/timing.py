@@ -141,7 +141,8 @@ def run_case(case: Case, impl_names, args, key) -> list[dict]:
                                  args.timer == "pipelined")
         row = {"case": case.name, "variant": case.variant, "batch": case.batch,
                "seq": case.seq, "q_heads": case.q_heads, "kv_heads": case.kv_heads,
-               "head_dim": case.head_dim, "causal": case.causal, "dtype": args.dtype,
+               "head_dim": case.head_dim, "head_dim_v": case.head_dim_v,
+               "causal": case.causal, "dtype": args.dtype,
                "impl": name, **fields}
         add_throughput(row, case, run_kw)
         # The row's speeds as soon as they exist: a run cut by a time limit keeps them in its

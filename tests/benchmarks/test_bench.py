@@ -23,6 +23,9 @@ def test_flops_formula_by_hand():
     assert cases.attention_flops(8, 2048, 2048, 16, 128, causal=True) == 137_438_953_472
     assert cases.attention_flops(8, 2048, 2048, 16, 128, True, "bwd") == 343_597_383_680
     assert cases.attention_flops(8, 2048, 2048, 16, 128, True, "fwdbwd") == 481_036_337_152
+    # MLA: QK^T at 192 and PV at 128, 2 * (192 + 128) = 4 * 160.
+    assert (cases.attention_flops(8, 2048, 2048, 16, 192, False, head_dim_v=128)
+            == cases.attention_flops(8, 2048, 2048, 16, 160, False))
 
 
 def test_attended_pairs_of_variants():
@@ -44,6 +47,7 @@ def test_packed_segment_ids_cover_all_documents():
 
 def test_parse_helpers():
     assert cases.parse_case("2x8192x32x8x128") == (2, 8192, 32, 8, 128)
+    assert cases.parse_case("1x8192x16x16x192x128") == (1, 8192, 16, 16, 192, 128)
     assert [cases.parse_seq(s) for s in ("32k", "1M", "300")] == [32768, 1 << 20, 300]
     assert cases.seq_label(4 << 20) == "4M"
 
@@ -166,6 +170,20 @@ def test_memory_mode_runs_children(tmp_path):
     assert point["step_s"] > 0
     assert result["memory"]["longest_seq_ok"] == {"xla": 256}
     assert list(tmp_path.glob("memory_*.json"))
+
+
+def test_mla_case_small(tmp_path):
+    """A case with V's own head_dim: inputs, FLOPs and the sampled-row reference follow it;
+    jax.nn's implementations have no such case and leave error rows."""
+    result = main(["--smoke", "--cases", "1x64x2x1x32x16", "--causal", "yes",
+                   "--impls", "pallas_flash,xla", "--out", str(tmp_path)])
+    rows = {r["impl"]: r for r in result["results"]}
+    ours = rows["pallas_flash"]
+    assert ours["status"] == "ok", ours
+    assert ours["case"] == "1x64x2x1x32x16" and ours["head_dim_v"] == 16
+    assert ours["fwd_flops"] == cases.attention_flops(1, 64, 64, 2, 32, True, head_dim_v=16)
+    assert ours["err_vs_ref"] < 2e-2
+    assert rows["xla"]["status"] != "ok"
 
 
 def test_variants_small(tmp_path, monkeypatch):
