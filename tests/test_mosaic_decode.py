@@ -3,9 +3,9 @@
 Compiled on an sm_90 GPU: contiguous and paged caches (random block tables whose entries past
 each sequence point at a NaN page, which must never be read), lengths that are not page or
 block multiples, empty sequences and tokens at negative positions, q_len 1 to 16, GQA 1 to 8,
-bf16 / f16, head_dim 48 / 64 / 128 / 192 / 256, softcap, window, sinks; the same cases with NaN and inf
-at every cache position no query sees. On any machine: the Python half of
-the sm_90 compile, one small case in interpret mode, the tiles and what the kernel refuses.
+bf16 / f16, head_dim 48 / 64 / 128 / 192 / 256, softcap, window, sinks; the same cases with
+NaN and inf at every cache position no query sees. On any machine: the Python half of the
+sm_90 compile, one small case in interpret mode, the tiles and what the kernel refuses.
 """
 
 import dataclasses
