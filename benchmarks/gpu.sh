@@ -69,7 +69,10 @@ profile() {
     --impls pallas_flash,cudnn --iters 1 --iters-bwd 1 --no-plot --out "$RESULTS"
   local metrics=sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active
   metrics+=,lts__t_sector_hit_rate.pct${METRICS:+,$METRICS}
-  # The clocks stay as the driver sets them, as in every other measurement.
+  # The clocks stay as the driver sets them, as in every other measurement. XLA's gemm
+  # autotuning is off: under ncu its many trial kernels are slow to replay and have crashed the
+  # process; the kernels profiled here are ours.
+  XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_autotune_level=0" \
   run_logged profile "${LIMIT:-590}" ncu --clock-control none -k "regex:${KERNEL:-.}" \
     -c "${COUNT:-4}" --section SpeedOfLight --section WarpStateStats --section SchedulerStats \
     --metrics "$metrics" "$@"
