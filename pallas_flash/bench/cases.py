@@ -149,10 +149,15 @@ def attention_flops(batch: int, seq_q: int, seq_kv: int, q_heads: int,
     Softmax exponentials are not counted; kv_heads does not matter (GQA shares
     K/V but each query head still does the full work).
     """
+    pairs = seq_q * seq_kv / 2 if causal else seq_q * seq_kv
+    return _pair_flops(batch, q_heads, pairs, head_dim, head_dim_v, pass_)
+
+
+def _pair_flops(batch: int, q_heads: int, pairs: float, head_dim: int,
+                head_dim_v: int | None, pass_: str) -> float:
+    """attention_flops over `pairs` (query, key) pairs per batch row and head."""
     head_dim_v = head_dim if head_dim_v is None else head_dim_v
-    fwd = 2.0 * batch * q_heads * seq_q * seq_kv * (head_dim + head_dim_v)
-    if causal:
-        fwd /= 2
+    fwd = 2.0 * batch * q_heads * pairs * (head_dim + head_dim_v)
     return {"fwd": fwd, "bwd": 2.5 * fwd, "fwdbwd": 3.5 * fwd}[pass_]
 
 
@@ -176,6 +181,5 @@ def case_flops(case: Case, kwargs: dict[str, Any], pass_: str) -> float:
     if not {"window", "q_segment_ids"} & kwargs.keys():
         return attention_flops(case.batch, case.seq, case.seq, case.q_heads,
                                case.head_dim, case.causal, pass_, case.head_dim_v)
-    fwd = (2.0 * case.batch * case.q_heads * (case.head_dim + case.v_dim)
-           * attended_pairs(case, kwargs))
-    return {"fwd": fwd, "bwd": 2.5 * fwd, "fwdbwd": 3.5 * fwd}[pass_]
+    return _pair_flops(case.batch, case.q_heads, attended_pairs(case, kwargs), case.head_dim,
+                       case.head_dim_v, pass_)
