@@ -27,7 +27,7 @@ from pallas_flash import guarded, stats, validation
 from pallas_flash.config import (FlashConfig, check_shared_memory, default_config,
                                  shared_memory_limit)
 from pallas_flash.masking import CausalAlignment, fold_lengths, make_mask_spec
-from pallas_flash.sinks import apply_sinks, check_sinks
+from pallas_flash.sinks import check_sinks
 from pallas_flash.spec import AttentionSpec
 from pallas_flash.mosaic import backward as mosaic_backward
 from pallas_flash.mosaic import forward as mosaic_forward
@@ -230,9 +230,7 @@ def flash_attention(
         q_ids, kv_ids = fold_lengths(q_segment_ids, kv_segment_ids, q_lengths, kv_lengths,
                                      batch=batch, seq_q=seq_q, seq_kv=seq_kv)
     backends = _choose_backends(backend, spec, q, k, v, explicit_config=explicit_config)
-    out, lse = _custom_vjp_attention(spec, *backends)(q, k, v, q_ids, kv_ids)
-    if sinks is not None:
-        out, lse = apply_sinks(out, lse, sinks)
+    out, lse = _custom_vjp_attention(spec, *backends)(q, k, v, q_ids, kv_ids, sinks)
     return (out, lse) if return_lse else out
 
 
@@ -334,7 +332,11 @@ def _custom_vjp_attention(spec: AttentionSpec, forward_backend: str = "triton",
     """One jitted custom_vjp function per static spec and pair of backends: all are closed
     over, never arguments, and the jit makes repeated calls with the same shapes trace only
     once. Every forward saves the same row statistics (stats.py), so any backward can follow
-    any forward."""
+    any forward.
+
+    Sinks (sinks.py) enter the forward kernels' last step, so O and the statistics already
+    hold them and the backward kernels run unchanged; the sinks' gradient is a sum over rows
+    of the D those kernels take (stats.sink_weights), formed once here for both."""
 
     def forward(*args):
         # The barrier keeps XLA from launching the forward kernel twice: in a training step
@@ -343,22 +345,29 @@ def _custom_vjp_attention(spec: AttentionSpec, forward_backend: str = "triton",
         return lax.optimization_barrier(_FORWARDS[forward_backend].forward(spec, *args))
 
     @jax.custom_vjp
-    def attention(q, k, v, q_ids, kv_ids):
-        out, row_stats = forward(q, k, v, q_ids, kv_ids)
+    def attention(q, k, v, q_ids, kv_ids, sinks):
+        out, row_stats = forward(q, k, v, q_ids, kv_ids, sinks)
         return out, stats.to_lse(spec, row_stats)
 
-    def attention_fwd(q, k, v, q_ids, kv_ids):
-        out, row_stats = forward(q, k, v, q_ids, kv_ids)
+    def attention_fwd(q, k, v, q_ids, kv_ids, sinks):
+        out, row_stats = forward(q, k, v, q_ids, kv_ids, sinks)
         out = checkpoint_name(out, OUT_NAME)
         row_stats = checkpoint_name(row_stats, LSE_NAME)
-        return (out, stats.to_lse(spec, row_stats)), (q, k, v, out, row_stats, q_ids, kv_ids)
+        residuals = (q, k, v, out, row_stats, q_ids, kv_ids, sinks)
+        return (out, stats.to_lse(spec, row_stats)), residuals
 
     def attention_bwd(residuals, cotangents):
-        q, k, v, out, row_stats, q_ids, kv_ids = residuals
+        q, k, v, out, row_stats, q_ids, kv_ids, sinks = residuals
         d_out, d_lse = cotangents
+        delta = d_sinks = None
+        if sinks is not None:
+            # D in the statistics' dtype: the accumulator dtype of every backward.
+            delta = stats.output_dot(out, d_out, d_lse, row_stats.m.dtype)
+            d_sinks = -jnp.sum(stats.sink_weights(spec, row_stats, sinks) * delta, axis=(0, 2))
+            d_sinks = d_sinks.astype(sinks.dtype)
         dq, dk, dv = _BACKWARDS[backward_backend].backward(spec, q, k, v, out, row_stats, d_out,
-                                                           d_lse, q_ids, kv_ids)
-        return dq, dk, dv, None, None
+                                                           d_lse, q_ids, kv_ids, delta=delta)
+        return dq, dk, dv, None, None, d_sinks
 
     attention.defvjp(attention_fwd, attention_bwd)
     return jax.jit(attention)

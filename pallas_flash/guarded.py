@@ -74,7 +74,7 @@ def _predicated(check, fast, safe):
     return run
 
 
-def forward(spec: AttentionSpec, q, k, v, q_ids=None, kv_ids=None):
+def forward(spec: AttentionSpec, q, k, v, q_ids=None, kv_ids=None, sinks=None):
     """(O, RowStats): the Mosaic forward's when V is finite, else the Triton forward's.
 
     The Mosaic forward takes its own default tiles (clusters of two where they pay,
@@ -84,17 +84,20 @@ def forward(spec: AttentionSpec, q, k, v, q_ids=None, kv_ids=None):
         lambda q, k, v, *_: all_finite(v),
         lambda *a: mosaic_forward.forward(spec, *a),
         lambda skip, into, *a: triton_forward.forward(spec, *a, skip=skip, into=into),
-    )(q, k, v, q_ids, kv_ids)
+    )(q, k, v, q_ids, kv_ids, sinks)
 
 
-def backward(spec: AttentionSpec, q, k, v, out, stats, do, dlse, q_ids=None, kv_ids=None):
+def backward(spec: AttentionSpec, q, k, v, out, stats, do, dlse, q_ids=None, kv_ids=None, *,
+             delta=None):
     """(dq, dk, dv): the Mosaic backward's when q, k, v and dO are finite, else the Triton one's.
 
     A non-finite O or row statistic follows from a non-finite q, k or v (O is a convex
     combination of v), so those are not checked separately; dlse enters D with dO, and the
-    check reads D (module docstring). Both backwards take this D, formed once.
+    check reads D (module docstring). Both backwards take this D, formed once (here, unless
+    the caller has it).
     """
-    delta = output_dot(out, do, dlse, jnp.float32)
+    if delta is None:
+        delta = output_dot(out, do, dlse, jnp.float32)
 
     def fast(q, k, v, out, stats, do, dlse, q_ids, kv_ids, delta):
         return mosaic_backward.backward(spec, q, k, v, out, stats, do, dlse, q_ids, kv_ids,

@@ -1,13 +1,15 @@
 """Learnable attention sinks (gpt-oss): one logit per query head that joins every row's softmax
 denominator but has no value row.
 
-With a sink s, a row's weights are exp(x_j - m) / (exp(s - m) + sum_j exp(x_j - m)). The kernels
-already return the sink-free output O and lse, and the sink only rescales them:
+With a sink s, a row's weights are exp(x_j - m) / (exp(s - m) + sum_j exp(x_j - m)). Given the
+sink-free output O and lse, the sink only rescales them:
 
     lse' = logaddexp(lse, s),   O' = O * exp(lse - lse')
 
-so the sink is applied to (O, lse) outside the kernels, on every backend and mask alike. Its
-gradient falls out of that expression: dL/ds = -sum_i exp(s - lse'_i) * D_i with
+`flash_attention` folds the sink into the forward kernels' last step instead
+(stats.sink_epilogue), which saves this pass over O. `apply_sinks` serves the paths that only
+have merged partial results (ring attention, decoding) and the drop-in's XLA fallback. The
+gradient is the same either way: dL/ds = -sum_i exp(s - lse'_i) * D_i with
 D_i = rowsum(dO'_i * O'_i), the D the backward kernels use; the cotangent that reaches lse is
 folded into their D, as for any lse cotangent. A row that sees no key keeps O' = 0 (exp(-inf)
 is 0) and gets lse' = s.

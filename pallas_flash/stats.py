@@ -29,7 +29,8 @@ from jax import lax
 
 from pallas_flash.spec import AttentionSpec
 
-__all__ = ["RowStats", "logit_scale", "to_lse", "from_lse", "output_dot"]
+__all__ = ["RowStats", "logit_scale", "to_lse", "from_lse", "output_dot", "sink_epilogue",
+           "sink_weights"]
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
@@ -59,6 +60,30 @@ def from_lse(lse: jax.Array) -> RowStats:
     results. It is exact in real arithmetic, and as precise as the lse itself.
     """
     return RowStats(jnp.zeros_like(lse), lse * LOG2E)
+
+
+def sink_epilogue(m, l, sink, c):
+    """A forward kernel's last step with an attention sink (sinks.py), per row.
+
+    m, l: the row's running max (logit units, -inf if it saw no key) and its denominator
+    relative to m; sink: the head's sink logit (natural log); c = logit_scale * log2(e).
+    Returns (w, r): O = acc * w, and r = log2 of the denominator with the sink's term, so that
+    (m, r) stay the statistics of the whole softmax, sink included. The sink's exponent
+    relative to m, t, may be far above the row's logits; both sums are taken relative to
+    max(t, 0), so nothing overflows, and a sink of -inf leaves the row as it was.
+    """
+    t = jnp.where(m == -jnp.inf, sink * LOG2E, sink * LOG2E - m * c)
+    shift = jnp.maximum(t, 0.0)
+    down = jnp.exp2(-shift)
+    denom = l * down + jnp.exp2(jnp.minimum(t, 0.0))   # t - shift
+    return down / denom, jnp.log2(denom) + shift
+
+
+def sink_weights(spec: AttentionSpec, stats: RowStats, sinks: jax.Array) -> jax.Array:
+    """exp(sink - lse') per row, [batch, q_heads, seq_q]: the weight the softmax gives the sink.
+    The sink's gradient is -sum over batch and rows of this times D (output_dot)."""
+    s = sinks.astype(stats.m.dtype)[None, :, None] * LOG2E
+    return jnp.exp2(s - stats.m * logit_scale(spec) * LOG2E - stats.r)
 
 
 def output_dot(out, do, dlse, dtype) -> jax.Array:

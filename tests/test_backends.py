@@ -90,13 +90,14 @@ def test_guarded_forward_runs_mosaic_default_then_predicated_triton(monkeypatch)
     # result to keep.
     seen = []
 
-    def mosaic_spy(spec, q, k, v, q_ids=None, kv_ids=None, config=None):
+    def mosaic_spy(spec, q, k, v, q_ids=None, kv_ids=None, sinks=None, *, config=None):
         seen.append(("mosaic", config))
-        return triton_forward.forward(spec, q, k, v, q_ids, kv_ids)
+        return triton_forward.forward(spec, q, k, v, q_ids, kv_ids, sinks)
 
-    def triton_spy(spec, q, k, v, q_ids=None, kv_ids=None, *, skip=None, into=None):
+    def triton_spy(spec, q, k, v, q_ids=None, kv_ids=None, sinks=None, *, skip=None,
+                   into=None):
         seen.append(("triton", skip.dtype, skip.shape, jax.tree.map(jnp.shape, into)))
-        return triton_forward.forward(spec, q, k, v, q_ids, kv_ids, skip=skip, into=into)
+        return triton_forward.forward(spec, q, k, v, q_ids, kv_ids, sinks, skip=skip, into=into)
 
     monkeypatch.setattr(guarded, "mosaic_forward", types.SimpleNamespace(forward=mosaic_spy))
     monkeypatch.setattr(guarded, "triton_forward", types.SimpleNamespace(forward=triton_spy))
@@ -179,9 +180,9 @@ def _leaky_stand_in():
     def poison(*xs):
         return sum(0.0 * jnp.sum(x.astype(jnp.float32)) for x in xs)
 
-    def forward(spec, q, k, v, q_ids=None, kv_ids=None, config=None):
+    def forward(spec, q, k, v, q_ids=None, kv_ids=None, sinks=None, *, config=None):
         del config
-        out, row_stats = triton_forward.forward(spec, q, k, v, q_ids, kv_ids)
+        out, row_stats = triton_forward.forward(spec, q, k, v, q_ids, kv_ids, sinks)
         return (out + stand_in.mark + poison(v)).astype(out.dtype), row_stats
 
     def backward(spec, q, k, v, out, row_stats, do, dlse, q_ids=None, kv_ids=None, delta=None):
@@ -232,7 +233,7 @@ def test_guarded_backend_confines_nonfinite_inputs_like_triton(which, mosaic_ker
 
     def run(backend, q, k, v, do):
         fn = attention._custom_vjp_attention(spec, backend, backend)
-        (out, lse), vjp = jax.vjp(lambda q, k, v: fn(q, k, v, None, None), q, k, v)
+        (out, lse), vjp = jax.vjp(lambda q, k, v: fn(q, k, v, None, None, None), q, k, v)
         dlse = jax.random.normal(jax.random.PRNGKey(90), lse.shape)
         return [np.asarray(x, np.float32) for x in (out, lse, *vjp((do, dlse)))]
 
@@ -283,7 +284,7 @@ def test_guarded_backend_under_vmap_takes_one_flag(mosaic_kernels):
         fn = attention._custom_vjp_attention(spec, backend, backend)
 
         def one(q, k, v, do):
-            out, vjp = jax.vjp(lambda q, k, v: fn(q[None], k[None], v[None], None, None)[0],
+            out, vjp = jax.vjp(lambda q, k, v: fn(q[None], k[None], v[None], None, None, None)[0],
                                q, k, v)
             return (out, *vjp(do[None]))
 
@@ -344,7 +345,7 @@ def test_any_forward_feeds_any_backward(pair):
     q, k, v, do = random_inputs(jax.random.PRNGKey(86), *SHAPE, jnp.bfloat16)
     spec = make_spec(128, 128, 64, jnp.bfloat16, causal=True)
     fn = attention._custom_vjp_attention(spec, *pair)
-    (out, lse), vjp = jax.vjp(lambda q, k, v: fn(q, k, v, None, None), q, k, v)
+    (out, lse), vjp = jax.vjp(lambda q, k, v: fn(q, k, v, None, None, None), q, k, v)
     dlse = jax.random.normal(jax.random.PRNGKey(87), lse.shape)
     grads = vjp((do, dlse))
     up = lambda x: x.astype(jnp.float32)  # noqa: E731

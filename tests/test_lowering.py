@@ -25,24 +25,27 @@ pytestmark = pytest.mark.skipif(ON_GPU and not IS_HOPPER,
                                 reason="Mosaic GPU lowers for the GPU present: sm_90 only")
 
 
-@pytest.mark.parametrize("dtype,causal,kernels", [
-    (jnp.bfloat16, True, (mosaic_forward.KERNEL_NAME, fused_backward.FUSED_KERNEL_NAME)),
-    (jnp.float16, False, (mosaic_forward.KERNEL_NAME, mosaic_backward.DKDV_KERNEL_NAME,
-                          mosaic_backward.DQ_KERNEL_NAME)),
-], ids=["bf16-causal-fused", "f16-two-kernel"])
-def test_training_step_lowers_for_sm90(monkeypatch, dtype, causal, kernels):
+@pytest.mark.parametrize("dtype,causal,sinks,kernels", [
+    (jnp.bfloat16, True, False, (mosaic_forward.KERNEL_NAME, fused_backward.FUSED_KERNEL_NAME)),
+    (jnp.float16, False, False, (mosaic_forward.KERNEL_NAME, mosaic_backward.DKDV_KERNEL_NAME,
+                                 mosaic_backward.DQ_KERNEL_NAME)),
+    (jnp.bfloat16, True, True, (mosaic_forward.KERNEL_NAME, fused_backward.FUSED_KERNEL_NAME)),
+], ids=["bf16-causal-fused", "f16-two-kernel", "bf16-causal-sinks"])
+def test_training_step_lowers_for_sm90(monkeypatch, dtype, causal, sinks, kernels):
     """flash_attention's forward and backward under jax.vjp, as a jitted training step stages
     them, lower for the cuda platform with every kernel in the module."""
     # The dispatch asks the local device; lowering for sm_90 needs no device.
     monkeypatch.setattr(attention, "_is_sm90", lambda: True)
     monkeypatch.setattr(attention, "_capability", lambda: "9.0")
     x = jax.ShapeDtypeStruct((1, 1024, 2, 128), dtype)
+    s = jax.ShapeDtypeStruct((2,), jnp.float32) if sinks else None
 
-    def step(q, k, v, do):
-        def attend(q, k, v):
-            return pf.flash_attention(q, k, v, causal=causal, backend="mosaic", interpret=False)
-        return jax.vjp(attend, q, k, v)[1](do)
+    def step(q, k, v, do, s):
+        def attend(q, k, v, s):
+            return pf.flash_attention(q, k, v, causal=causal, sinks=s, backend="mosaic",
+                                      interpret=False)
+        return jax.vjp(attend, q, k, v, s)[1](do)
 
-    text = jax.jit(step).trace(x, x, x, x).lower(lowering_platforms=("cuda",)).as_text()
+    text = jax.jit(step).trace(x, x, x, x, s).lower(lowering_platforms=("cuda",)).as_text()
     for name in kernels:
         assert f"{name}_mosaic_gpu" in text, name

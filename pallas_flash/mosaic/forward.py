@@ -2,7 +2,8 @@
 
 Contract of `triton.forward.forward`: O [batch, seq_q, q_heads, head_dim] in q's dtype and
 stats.RowStats (m, r), float32 [batch, q_heads, seq_q], in logit units (stats.py). A row that
-sees no key leaves with O = 0, m = 0 and r = -inf.
+sees no key leaves with O = 0, m = 0 and r = -inf. With sinks, each head's sink logit joins
+the denominator in the epilogue (stats.sink_epilogue), as in the Triton forward.
 
 Grid: (tile, head, batch) in schedule.py's launch order. A CTA owns compute_wgs * block_q
 query rows of one (batch, head): compute_wgs compute warpgroups of 64 rows (one wgmma M tile
@@ -54,7 +55,7 @@ from pallas_flash.mosaic.schedule import CLUSTER_AXIS, TileGrid, forward_order
 from pallas_flash.mosaic.tiles import product
 from pallas_flash.mosaic.schedule import forward_order as _launch_order  # noqa: F401
 from pallas_flash.spec import AttentionSpec
-from pallas_flash.stats import LOG2E, RowStats, logit_scale
+from pallas_flash.stats import LOG2E, RowStats, logit_scale, sink_epilogue
 
 __all__ = ["KERNEL_NAME", "MosaicForwardConfig", "default_forward_config", "forward",
            "register_budget", "unsupported_reason"]
@@ -84,19 +85,20 @@ def _bcast_rows(x, shape):
 
 
 def _kernel(*refs, spec: AttentionSpec, cfg: MosaicForwardConfig, group: int, n_tiles: int,
-            head_dim: int, order: TileGrid):
+            head_dim: int, order: TileGrid, has_sinks: bool):
     if spec.has_segments:
         (q_ref, k_ref, v_ref, q_ids_ref, kv_ids_ref, cta_seg_ref, wg_seg_ref), rest = (
             refs[:7], refs[7:])
     else:
         (q_ref, k_ref, v_ref), rest = refs[:3], refs[3:]
         q_ids_ref = kv_ids_ref = cta_seg_ref = wg_seg_ref = None
-    _kernel_body(q_ref, k_ref, v_ref, q_ids_ref, kv_ids_ref, cta_seg_ref, wg_seg_ref, *rest,
-                 spec=spec, cfg=cfg, group=group, n_tiles=n_tiles, head_dim=head_dim,
+    sink_ref, rest = (rest[0], rest[1:]) if has_sinks else (None, rest)
+    _kernel_body(q_ref, k_ref, v_ref, q_ids_ref, kv_ids_ref, cta_seg_ref, wg_seg_ref, sink_ref,
+                 *rest, spec=spec, cfg=cfg, group=group, n_tiles=n_tiles, head_dim=head_dim,
                  order=order)
 
 
-def _kernel_body(q_ref, k_ref, v_ref, q_ids_ref, kv_ids_ref, cta_seg_ref, wg_seg_ref,
+def _kernel_body(q_ref, k_ref, v_ref, q_ids_ref, kv_ids_ref, cta_seg_ref, wg_seg_ref, sink_ref,
                  o_ref, m_ref, r_ref,
                  q_smem, k_smem, v_smem, m_smem, r_smem,
             q_loaded, k_loaded, v_loaded, k_free, v_free, rendezvous_bar, *extra,
@@ -320,14 +322,19 @@ def _kernel_body(q_ref, k_ref, v_ref, q_ids_ref, kv_ids_ref, cta_seg_ref, wg_seg
 
         # A row that saw no key (l = 0) leaves with O = 0; its acc may hold an unloaded slot's V.
         seen = l != 0.0
-        out = jnp.where(_bcast_rows(seen, acc.shape),
-                        acc / _bcast_rows(jnp.where(seen, l, 1.0), acc.shape), 0.0)
+        if sink_ref is None:
+            out = acc / _bcast_rows(jnp.where(seen, l, 1.0), acc.shape)
+            r = jnp.log2(l)
+        else:
+            weight, r = sink_epilogue(m, l, sink_ref[head], c)
+            out = acc * _bcast_rows(weight, acc.shape)
+        out = jnp.where(_bcast_rows(seen, acc.shape), out, 0.0)
         if jnp.dtype(dtype) == jnp.float16:
             big = (jnp.abs(out) > F16_MAX) & (jnp.abs(out) < jnp.inf)
             out = jnp.where(big, jnp.where(out > 0, F16_MAX, -F16_MAX), out)
         my_q[...] = out.astype(dtype)
         m_smem.at[wg][...] = jnp.where(m == -jnp.inf, 0.0, m)
-        r_smem.at[wg][...] = jnp.log2(l)
+        r_smem.at[wg][...] = r
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(my_q, o_ref.at[batch, pl.ds(q_start, block_q), head])
         plgpu.copy_smem_to_gmem(m_smem.at[wg], m_ref.at[batch, head, pl.ds(q_start, block_q)])
@@ -367,9 +374,10 @@ def _kernel_body(q_ref, k_ref, v_ref, q_ids_ref, kv_ids_ref, cta_seg_ref, wg_seg
         lax.fori_loop(jnp.maximum(n_steps - stages, 0), n_steps, last_release, None)
 
 
-def forward(spec: AttentionSpec, q, k, v, q_ids=None, kv_ids=None, *,
+def forward(spec: AttentionSpec, q, k, v, q_ids=None, kv_ids=None, sinks=None, *,
             config: MosaicForwardConfig | None = None):
     """O [batch, seq_q, q_heads, head_dim] and stats.RowStats (each [batch, q_heads, seq_q]).
+    sinks: None, or float [q_heads] sink logits, folded into the softmax in the epilogue.
 
     Raises NotImplementedError for anything this kernel does not serve (`unsupported_reason`).
     """
@@ -415,7 +423,7 @@ def forward(spec: AttentionSpec, q, k, v, q_ids=None, kv_ids=None, *,
         scratch.append(plgpu.SMEM((wgs, cfg.block_q, cfg.block_kv), dtype))
     order = forward_order(spec, cfg, q, k, n_tiles)
     body = functools.partial(_kernel, spec=spec, cfg=cfg, group=group, n_tiles=n_tiles,
-                             head_dim=head_dim, order=order)
+                             head_dim=head_dim, order=order, has_sinks=sinks is not None)
     call = plgpu.kernel(
         body,
         out_type=(jax.ShapeDtypeStruct(q.shape, dtype), stats_shape, stats_shape),
@@ -433,6 +441,8 @@ def forward(spec: AttentionSpec, q, k, v, q_ids=None, kv_ids=None, *,
     args = [q, k, v]
     if spec.has_segments:
         args += _segment_operands(q_ids, kv_ids, cfg, n_tiles)
+    if sinks is not None:
+        args.append(sinks.astype(jnp.float32))
     out, m, r = call(*args)
     return out[:, :seq_q], RowStats(m[..., :seq_q], r[..., :seq_q])
 

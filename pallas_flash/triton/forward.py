@@ -9,6 +9,9 @@ FlashAttention-2's online softmax, in logit units u (stats.py) and base 2:
     O = acc / l,    r = log2 l,    c = logit_scale * log2(e)
 Q and K share one head_dim; V, acc and O have V's own (equal, or not: MLA).
 
+With a sink (sinks.py) the last step adds its term to l (stats.sink_epilogue), so O, m and r
+are those of the whole softmax, sink included.
+
 Only the key blocks masking.py's range gives are visited, unmasked where every query sees
 them whole. A row that sees no key leaves with O = 0, m = 0 and r = -inf: the running max is
 read as 0 while it is -inf, so no inf - inf is formed.
@@ -25,16 +28,16 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_flash.masking import segment_block_ranges
 from pallas_flash.spec import AttentionSpec
-from pallas_flash.stats import RowStats
+from pallas_flash.stats import RowStats, sink_epilogue
 from pallas_flash.triton import common
 
 __all__ = ["forward"]
 
 
 def _forward_kernel(*refs, spec: AttentionSpec, block_q: int, block_kv: int, head_dim: int,
-                    head_dim_v: int, tile=None):
-    (q_ref, k_ref, v_ref), segment_refs, (o_ref, m_ref, r_ref) = common.split_refs(
-        refs, 3, spec.has_segments)
+                    head_dim_v: int, has_sinks: bool, tile=None):
+    (q_ref, k_ref, v_ref), segment_refs, rest = common.split_refs(refs, 3, spec.has_segments)
+    sink_ref, (o_ref, m_ref, r_ref) = (rest[0], rest[1:]) if has_sinks else (None, rest)
     q_ids_ref, kv_ids_ref, lo_ref, hi_ref = segment_refs
     mask = spec.mask
     acc_dtype = common.accumulator_dtype(q_ref.dtype)
@@ -88,19 +91,26 @@ def _forward_kernel(*refs, spec: AttentionSpec, block_q: int, block_kv: int, hea
 
     # `l != 0` rather than `l > 0`: a NaN row must stay NaN (r too), not pass for empty.
     seen = l != 0
-    out = common.clamp_to_dtype(acc / jnp.where(seen, l, 1.0)[:, None], o_ref.dtype)
+    if sink_ref is None:
+        out, r = acc / jnp.where(seen, l, 1.0)[:, None], jnp.log2(l)
+    else:
+        weight, r = sink_epilogue(m, l, sink_ref[0].astype(acc_dtype), c)
+        out = jnp.where(seen[:, None], acc * weight[:, None], 0.0)
+    out = common.clamp_to_dtype(out, o_ref.dtype)
     common.store_tile(o_ref, q_start, block_q, mask.seq_q, v_cols, out)
     ok = q_pos < mask.seq_q
     index = pl.ds(q_start, block_q)
     plgpu.store(m_ref.at[index], jnp.where(m == -jnp.inf, 0.0, m).astype(m_ref.dtype), mask=ok)
-    plgpu.store(r_ref.at[index], jnp.log2(l).astype(r_ref.dtype), mask=ok)
+    plgpu.store(r_ref.at[index], r.astype(r_ref.dtype), mask=ok)
 
 
-def forward(spec: AttentionSpec, q, k, v, q_ids=None, kv_ids=None, *, skip=None, into=None):
+def forward(spec: AttentionSpec, q, k, v, q_ids=None, kv_ids=None, sinks=None, *, skip=None,
+            into=None):
     """O [batch, seq_q, q_heads, head_dim_v] (V's head_dim, which may differ from Q/K's) and
     the row statistics (stats.RowStats, each [batch, q_heads, seq_q]).
 
     q_ids/kv_ids: int32 [batch, seq] segment ids (masking.py), exactly when spec.has_segments.
+    sinks: None, or float [q_heads] sink logits folded into the softmax (sinks.py).
     skip, into: a predicated launch (common.predicated), both or neither.
     """
     batch, seq_q, q_heads, head_dim = q.shape
@@ -123,12 +133,15 @@ def forward(spec: AttentionSpec, q, k, v, q_ids=None, kv_ids=None, *, skip=None,
         seg_specs, seg_args = common.segment_operands(q_ids, kv_ids, lo, hi)
         in_specs += seg_specs
         args += seg_args
+    if sinks is not None:
+        in_specs.append(pl.BlockSpec((1,), lambda i, b, h: (h,)))
+        args.append(sinks.astype(common.accumulator_dtype(q.dtype)))
 
     stats_dtype = common.accumulator_dtype(q.dtype)
     per_row = pl.BlockSpec((None, None, seq_q), lambda i, b, h: (b, h, 0))
     kernel = functools.partial(
         _forward_kernel, spec=spec, block_q=block_q, block_kv=block_kv, head_dim=head_dim,
-        head_dim_v=head_dim_v,
+        head_dim_v=head_dim_v, has_sinks=sinks is not None,
     )
     out_specs = [pl.BlockSpec((None, seq_q, None, dv_pad), lambda i, b, h: (b, 0, h, 0)),
                  per_row, per_row]
