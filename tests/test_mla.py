@@ -1,8 +1,9 @@
 """A V head_dim other than Q/K's (DeepSeek's MLA: Q/K 192, V 128), in both passes.
 
 O and dV have V's head_dim, dQ and dK Q/K's; lse and the saved row statistics are unchanged.
-The Triton kernels serve it; "auto" routes it to them before asking the Mosaic kernels, and
-backend="mosaic" refuses it. Compared with reference_attention in float32 under random
+The Triton kernels serve both passes. The Mosaic forward serves a V head_dim below Q/K's when
+both are Mosaic head dims, and the Triton backward follows it (every forward saves the same
+statistics); otherwise "auto" takes Triton for both and backend="mosaic" refuses. Compared with reference_attention in float32 under random
 cotangents for O and lse (helpers.check_against_reference).
 """
 
@@ -120,19 +121,58 @@ def test_check_grads_float64(x64):
 
 # ---- backend choice ----------------------------------------------------------------------------
 
-def test_auto_routes_to_triton_and_mosaic_names_the_v_head_dim(monkeypatch):
-    # As on a compiled H100 / H200: the Mosaic kernels' own operand check refuses a V head_dim
-    # of its own, so "auto" takes Triton and a forced "mosaic" says why.
+def test_mosaic_forward_takes_mla_and_triton_backward_follows(monkeypatch):
+    # As on a compiled H100 / H200: the Mosaic forward takes V's own head_dim, the Mosaic
+    # backward's operand check refuses it, so the Triton backward follows.
     monkeypatch.setattr(attention, "_is_sm90", lambda: True)
     q, k, v = _arrays((1, 128, 4, 192), (1, 128, 2, 192), (1, 128, 2, 128), jnp.bfloat16)
     spec = make_spec(128, 128, 192, jnp.bfloat16, interpret=False)
-    for module in (attention.mosaic_forward, attention.mosaic_backward):
-        assert "v head_dim 128 differs from q and k's 192" in module.unsupported_reason(
-            spec, q, k, v)
+    assert attention.mosaic_forward.unsupported_reason(spec, q, k, v) is None
+    assert "v head_dim 128 differs from q and k's 192" in (
+        attention.mosaic_backward.unsupported_reason(spec, q, k, v))
+    assert attention._choose_backends("auto", spec, q, k, v) == ("guarded", "triton")
+    assert attention._choose_backends("mosaic", spec, q, k, v) == ("mosaic", "triton")
+
+
+@pytest.mark.parametrize("dims,match", [
+    ((128, 192), "v head_dim 192 (at most q and k's 128"),   # d_v > d_qk
+    ((192, 72), "v head_dim 72 (at most q and k's 192"),     # not a Mosaic head dim
+])
+def test_mosaic_forward_refuses_other_v_head_dims(monkeypatch, dims, match):
+    monkeypatch.setattr(attention, "_is_sm90", lambda: True)
+    d, d_v = dims
+    q, k, v = _arrays((1, 128, 4, d), (1, 128, 2, d), (1, 128, 2, d_v), jnp.bfloat16)
+    spec = make_spec(128, 128, d, jnp.bfloat16, interpret=False)
+    assert match in attention.mosaic_forward.unsupported_reason(spec, q, k, v)
     assert attention._choose_backends("auto", spec, q, k, v) == ("triton", "triton")
-    with pytest.raises(ValueError, match=r"backend='mosaic' cannot serve this call \(mosaic "
-                                         r"forward: v head_dim 128 differs from q and k's 192"):
+    with pytest.raises(ValueError, match=r"backend='mosaic' cannot serve this call"):
         attention._choose_backends("mosaic", spec, q, k, v)
+
+
+@pytest.mark.parametrize("dims,options", [
+    ((192, 128), dict(causal=True)),
+    ((128, 64), dict(kv_lengths=[100, 0], sinks=[0.5, -1.0, 2.0, 0.0])),
+], ids=["mla-causal-gqa", "d128-64-lengths-sinks"])
+def test_mosaic_forward_interpret_matches_reference(dims, options):
+    """The Mosaic forward with V's own head_dim in the GPU interpreter (then the Triton
+    backward): O, lse, dq, dk, dv against the float32 reference."""
+    d, d_v = dims
+    q, k, v, do = random_inputs(jax.random.PRNGKey(21), 2, 100, 100, 4, 2, d, jnp.bfloat16,
+                                head_dim_v=d_v)
+    check_against_reference(q, k, v, do, backend="mosaic", interpret=True,
+                            **_options((2, 100, 100), options))
+
+
+def test_mosaic_forward_lowers_for_sm90(monkeypatch):
+    """The MLA forward lowers for the cuda platform (interpret mode does not model the TMA
+    and wgmma layouts that a second head_dim touches)."""
+    monkeypatch.setattr(attention, "_is_sm90", lambda: True)
+    monkeypatch.setattr(attention, "_capability", lambda: "9.0")
+    q, k, v = _arrays((1, 1024, 4, 192), (1, 1024, 2, 192), (1, 1024, 2, 128), jnp.bfloat16)
+    fn = lambda q, k, v: pf.flash_attention(q, k, v, causal=True, backend="mosaic",  # noqa: E731
+                                            interpret=False)
+    text = jax.jit(fn).trace(q, k, v).lower(lowering_platforms=("cuda",)).as_text()
+    assert f"{attention.mosaic_forward.KERNEL_NAME}_mosaic_gpu" in text
 
 
 # ---- errors and tiles (no kernel runs) ---------------------------------------------------------
@@ -159,10 +199,11 @@ def test_errors_where_only_one_head_dim_is_served():
         validation.validate(q, k, v, causal=False, scale=None, causal_alignment="top_left",
                             window=None, softcap=None, q_segment_ids=None, kv_segment_ids=None,
                             q_lengths=None, kv_lengths=None)
-    q, k, v = (jnp.ones(x.shape) for x in (q, k, v))
+    q, k, v = (jnp.ones(x.shape, jnp.bfloat16) for x in (q, k, v))
     with pytest.raises(ValueError, match=r"backend='mosaic' cannot serve this call "
-                                         r"\(mosaic forward: v head_dim"):
+                                         r"\(mosaic forward: v head_dim 16 \(at most"):
         pf.flash_attention(q, k, v, backend="mosaic", interpret=True)
+    q, k, v = (x.astype(F32) for x in (q, k, v))
     for implementation in ("xla", "cudnn"):
         with pytest.raises(ValueError, match=r"value head dim other than the query's is served "
                                              r"by the Pallas kernels only"):

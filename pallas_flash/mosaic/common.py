@@ -21,19 +21,26 @@ SUPPORTED_HEAD_DIMS = tuple(d for d in range(32, 257, 16) if d <= 128 or d % 32 
 SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
-def unsupported_operands(which: str, q, k, v):
-    """Why the Mosaic `which` pass cannot take these operands, or None."""
+def unsupported_operands(which: str, q, k, v, *, v_head_dim_may_differ: bool = False):
+    """Why the Mosaic `which` pass cannot take these operands, or None. With
+    v_head_dim_may_differ, V's head_dim may be smaller than Q/K's (MLA) if it is a supported
+    one too."""
     q_heads, head_dim = q.shape[2:]
     kv_heads = k.shape[2]
-    if v.shape[-1] != head_dim:
-        return (f"mosaic {which}: v head_dim {v.shape[-1]} differs from q and k's {head_dim}; "
-                f"the Mosaic kernels take one head_dim")
+    head_dim_v = v.shape[-1]
+    if head_dim_v != head_dim and not v_head_dim_may_differ:
+        return (f"mosaic {which}: v head_dim {head_dim_v} differs from q and k's {head_dim}; "
+                f"the Mosaic {which} takes one head_dim")
     if jnp.dtype(q.dtype) not in SUPPORTED_DTYPES:
         return f"mosaic {which}: dtype {jnp.dtype(q.dtype).name} (only bfloat16 and float16)"
     if not (q.dtype == k.dtype == v.dtype):
         return f"mosaic {which}: q, k and v must share one dtype"
     if head_dim not in SUPPORTED_HEAD_DIMS:
         return f"mosaic {which}: head_dim {head_dim} (only {SUPPORTED_HEAD_DIMS})"
+    if head_dim_v != head_dim and (head_dim_v > head_dim
+                                   or head_dim_v not in SUPPORTED_HEAD_DIMS):
+        return (f"mosaic {which}: v head_dim {head_dim_v} (at most q and k's {head_dim}, "
+                f"and one of {SUPPORTED_HEAD_DIMS})")
     if q_heads % kv_heads:
         return f"mosaic {which}: q_heads {q_heads} not a multiple of kv_heads {kv_heads}"
     return None

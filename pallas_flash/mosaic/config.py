@@ -139,11 +139,15 @@ class MosaicForwardConfig:
         """Query rows per CTA: block_q for each compute warpgroup."""
         return self.compute_wgs * self.block_q
 
-    def smem_bytes(self, head_dim: int, itemsize: int = 2) -> int:
+    def smem_bytes(self, head_dim: int, itemsize: int = 2, head_dim_v: int | None = None) -> int:
+        """Shared memory of one CTA; head_dim_v: V's head_dim if not Q/K's (MLA), whose O
+        then stages in a buffer of its own (Q's otherwise)."""
+        head_dim_v = head_dim if head_dim_v is None else head_dim_v
         q = self.cta_rows * head_dim * itemsize
-        kv = 2 * self.stages * self.block_kv * head_dim * itemsize
+        o = self.cta_rows * head_dim_v * itemsize if head_dim_v != head_dim else 0
+        kv = self.stages * self.block_kv * (head_dim + head_dim_v) * itemsize
         stats = 2 * self.cta_rows * 4
-        return q + kv + stats + SMEM_RESERVED
+        return q + o + kv + stats + SMEM_RESERVED
 
 
 def default_forward_config(head_dim: int, spec: AttentionSpec | None = None

@@ -66,17 +66,18 @@ F16_MAX = 65504.0
 
 def unsupported_reason(spec: AttentionSpec, q, k, v, config: MosaicForwardConfig | None = None):
     """Why this kernel cannot take the call, or None if it can."""
-    reason = unsupported_operands("forward", q, k, v)
+    reason = unsupported_operands("forward", q, k, v, v_head_dim_may_differ=True)
     if reason is not None:
         return reason
-    head_dim = q.shape[-1]
+    head_dim, head_dim_v = q.shape[-1], v.shape[-1]
     cfg = config or default_forward_config(head_dim, spec)
     if cfg.cluster > 1 and spec.interpret:
         return ("mosaic forward: config.cluster > 1 runs compiled only (the GPU interpreter "
                 "does not model TMA multicast)")
-    if cfg.smem_bytes(head_dim) > SMEM_LIMIT:
-        return (f"mosaic forward: config {cfg} needs {cfg.smem_bytes(head_dim)} bytes of shared "
-                f"memory at this head_dim (limit {SMEM_LIMIT})")
+    smem = cfg.smem_bytes(head_dim, head_dim_v=head_dim_v)
+    if smem > SMEM_LIMIT:
+        return (f"mosaic forward: config {cfg} needs {smem} bytes of shared memory at this "
+                f"head_dim (limit {SMEM_LIMIT})")
     return None
 
 
@@ -85,7 +86,7 @@ def _bcast_rows(x, shape):
 
 
 def _kernel(*refs, spec: AttentionSpec, cfg: MosaicForwardConfig, group: int, n_tiles: int,
-            head_dim: int, order: TileGrid, has_sinks: bool):
+            head_dim: int, head_dim_v: int, order: TileGrid, has_sinks: bool):
     if spec.has_segments:
         (q_ref, k_ref, v_ref, q_ids_ref, kv_ids_ref, cta_seg_ref, wg_seg_ref), rest = (
             refs[:7], refs[7:])
@@ -95,7 +96,7 @@ def _kernel(*refs, spec: AttentionSpec, cfg: MosaicForwardConfig, group: int, n_
     sink_ref, rest = (rest[0], rest[1:]) if has_sinks else (None, rest)
     _kernel_body(q_ref, k_ref, v_ref, q_ids_ref, kv_ids_ref, cta_seg_ref, wg_seg_ref, sink_ref,
                  *rest, spec=spec, cfg=cfg, group=group, n_tiles=n_tiles, head_dim=head_dim,
-                 order=order)
+                 head_dim_v=head_dim_v, order=order)
 
 
 def _kernel_body(q_ref, k_ref, v_ref, q_ids_ref, kv_ids_ref, cta_seg_ref, wg_seg_ref, sink_ref,
@@ -103,9 +104,11 @@ def _kernel_body(q_ref, k_ref, v_ref, q_ids_ref, kv_ids_ref, cta_seg_ref, wg_seg
                  q_smem, k_smem, v_smem, m_smem, r_smem,
             q_loaded, k_loaded, v_loaded, k_free, v_free, rendezvous_bar, *extra,
             spec: AttentionSpec, cfg: MosaicForwardConfig, group: int, n_tiles: int,
-            head_dim: int, order: TileGrid):
+            head_dim: int, head_dim_v: int, order: TileGrid):
     mask = spec.mask
-    p_smem = extra   # P's staging, interpret mode only
+    # O stages in Q's buffer, or with V's own head_dim (MLA) in one of its own; then P's
+    # staging, interpret mode only.
+    o_smem, p_smem = (extra[0], extra[1:]) if head_dim_v != head_dim else (q_smem, extra)
     block_q, block_kv, stages = cfg.block_q, cfg.block_kv, cfg.stages
     cta_rows = cfg.cta_rows
     dtype = q_ref.dtype
@@ -291,7 +294,7 @@ def _kernel_body(q_ref, k_ref, v_ref, q_ids_ref, kv_ids_ref, cta_seg_ref, wg_seg
         # accumulators fix every register layout, and a hint (layout_cast, layout=) leaves its
         # operand's layout to a step of Mosaic's solver search over the whole kernel's
         # constraints, which is most of the lowering time.
-        acc = jnp.zeros((block_q, head_dim), jnp.float32)
+        acc = jnp.zeros((block_q, head_dim_v), jnp.float32)
         m = jnp.full((block_q,), -jnp.inf, jnp.float32)
         l = jnp.zeros((block_q,), jnp.float32)
         carry = (acc, m, l)
@@ -332,11 +335,12 @@ def _kernel_body(q_ref, k_ref, v_ref, q_ids_ref, kv_ids_ref, cta_seg_ref, wg_seg
         if jnp.dtype(dtype) == jnp.float16:
             big = (jnp.abs(out) > F16_MAX) & (jnp.abs(out) < jnp.inf)
             out = jnp.where(big, jnp.where(out > 0, F16_MAX, -F16_MAX), out)
-        my_q[...] = out.astype(dtype)
+        my_o = o_smem.at[wg]
+        my_o[...] = out.astype(dtype)
         m_smem.at[wg][...] = jnp.where(m == -jnp.inf, 0.0, m)
         r_smem.at[wg][...] = r
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(my_q, o_ref.at[batch, pl.ds(q_start, block_q), head])
+        plgpu.copy_smem_to_gmem(my_o, o_ref.at[batch, pl.ds(q_start, block_q), head])
         plgpu.copy_smem_to_gmem(m_smem.at[wg], m_ref.at[batch, head, pl.ds(q_start, block_q)])
         plgpu.copy_smem_to_gmem(r_smem.at[wg], r_ref.at[batch, head, pl.ds(q_start, block_q)])
         with jax.named_scope("store_wait"):
@@ -382,7 +386,7 @@ def forward(spec: AttentionSpec, q, k, v, q_ids=None, kv_ids=None, sinks=None, *
     Raises NotImplementedError for anything this kernel does not serve (`unsupported_reason`).
     """
     batch, seq_q, q_heads, head_dim = q.shape
-    kv_heads = k.shape[2]
+    kv_heads, head_dim_v = k.shape[2], v.shape[3]
     cfg = config or default_forward_config(head_dim, spec)
     if (q_ids is not None) != spec.has_segments or (kv_ids is not None) != spec.has_segments:
         raise ValueError("mosaic forward: q_ids and kv_ids are given exactly when "
@@ -409,7 +413,7 @@ def forward(spec: AttentionSpec, q, k, v, q_ids=None, kv_ids=None, sinks=None, *
     scratch = [
         plgpu.SMEM((wgs, cfg.block_q, head_dim), dtype),
         plgpu.SMEM((cfg.stages, cfg.block_kv, head_dim), dtype),
-        plgpu.SMEM((cfg.stages, cfg.block_kv, head_dim), dtype, **_v_transforms(cfg, dtype)),
+        plgpu.SMEM((cfg.stages, cfg.block_kv, head_dim_v), dtype, **_v_transforms(cfg, dtype)),
         plgpu.SMEM((wgs, cfg.block_q), jnp.float32),
         plgpu.SMEM((wgs, cfg.block_q), jnp.float32),
         plgpu.Barrier(num_barriers=wgs),
@@ -419,14 +423,18 @@ def forward(spec: AttentionSpec, q, k, v, q_ids=None, kv_ids=None, sinks=None, *
         free_barrier(num_arrivals=wgs, num_barriers=cfg.stages),
         plgpu.Barrier(num_arrivals=wgs),
     ]
+    if head_dim_v != head_dim:
+        scratch.append(plgpu.SMEM((wgs, cfg.block_q, head_dim_v), dtype))
     if spec.interpret:
         scratch.append(plgpu.SMEM((wgs, cfg.block_q, cfg.block_kv), dtype))
-    order = forward_order(spec, cfg, q, k, n_tiles)
+    order = forward_order(spec, cfg, q, k, n_tiles, v_head_dim=head_dim_v)
     body = functools.partial(_kernel, spec=spec, cfg=cfg, group=group, n_tiles=n_tiles,
-                             head_dim=head_dim, order=order, has_sinks=sinks is not None)
+                             head_dim=head_dim, head_dim_v=head_dim_v, order=order,
+                             has_sinks=sinks is not None)
     call = plgpu.kernel(
         body,
-        out_type=(jax.ShapeDtypeStruct(q.shape, dtype), stats_shape, stats_shape),
+        out_type=(jax.ShapeDtypeStruct((*q.shape[:3], head_dim_v), dtype), stats_shape,
+                  stats_shape),
         scratch_types=scratch,
         **order.params(),
         num_threads=wgs + 1,   # the copy warpgroup last (index compute_wgs)

@@ -139,14 +139,15 @@ def cluster_tiles(mask, n_tiles: int, cluster: int):
         yield _tile_of(base + i, mask, n_tiles)
 
 
-def forward_order(spec, cfg, q, k, n_tiles: int) -> TileGrid:
+def forward_order(spec, cfg, q, k, n_tiles: int, v_head_dim: int | None = None) -> TileGrid:
     """The forward's launch order: config.head_chunk, else L2 sections under a causal bound
-    (each section's q heads share their kv heads' K and V)."""
+    (each section's q heads share their kv heads' K and V; v_head_dim: V's, if not K's)."""
     batch, _, q_heads, head_dim = q.shape
     chunk = cfg.head_chunk
     if chunk is None:
         group = q_heads // k.shape[2]
-        kv_bytes = 2 * spec.mask.seq_kv * head_dim * q.dtype.itemsize
+        head_dim_v = head_dim if v_head_dim is None else v_head_dim
+        kv_bytes = spec.mask.seq_kv * (head_dim + head_dim_v) * q.dtype.itemsize
         longest_first = spec.mask.right is not None and cfg.cluster == 1
         chunk = (group * launch_head_chunk(kv_bytes, k.shape[2], longest_first)
                  if longest_first else 1)
