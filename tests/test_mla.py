@@ -1,9 +1,9 @@
 """A V head_dim other than Q/K's (DeepSeek's MLA: Q/K 192, V 128), in both passes.
 
 O and dV have V's head_dim, dQ and dK Q/K's; lse and the saved row statistics are unchanged.
-The Triton kernels serve both passes. The Mosaic forward serves a V head_dim below Q/K's when
-both are Mosaic head dims, and the Triton backward follows it (every forward saves the same
-statistics); otherwise "auto" takes Triton for both and backend="mosaic" refuses. Compared with reference_attention in float32 under random
+Both backends serve both passes. The Mosaic kernels take a V head_dim below Q/K's when both
+are Mosaic head dims (their two-kernel backward; the fused one keeps one head_dim); otherwise
+"auto" takes Triton and backend="mosaic" refuses. Compared with reference_attention in float32 under random
 cotangents for O and lse (helpers.check_against_reference).
 """
 
@@ -121,17 +121,19 @@ def test_check_grads_float64(x64):
 
 # ---- backend choice ----------------------------------------------------------------------------
 
-def test_mosaic_forward_takes_mla_and_triton_backward_follows(monkeypatch):
-    # As on a compiled H100 / H200: the Mosaic forward takes V's own head_dim, the Mosaic
-    # backward's operand check refuses it, so the Triton backward follows.
+@pytest.mark.parametrize("d", [128, 192])
+def test_mosaic_takes_mla(monkeypatch, d):
+    # As on a compiled H100 / H200: both Mosaic passes take V's own head_dim, on the
+    # two-kernel backward (bf16 at head_dim 128 would otherwise run the fused one).
     monkeypatch.setattr(attention, "_is_sm90", lambda: True)
-    q, k, v = _arrays((1, 128, 4, 192), (1, 128, 2, 192), (1, 128, 2, 128), jnp.bfloat16)
-    spec = make_spec(128, 128, 192, jnp.bfloat16, interpret=False)
-    assert attention.mosaic_forward.unsupported_reason(spec, q, k, v) is None
-    assert "v head_dim 128 differs from q and k's 192" in (
-        attention.mosaic_backward.unsupported_reason(spec, q, k, v))
-    assert attention._choose_backends("auto", spec, q, k, v) == ("guarded", "triton")
-    assert attention._choose_backends("mosaic", spec, q, k, v) == ("mosaic", "triton")
+    q, k, v = _arrays((1, 128, 4, d), (1, 128, 2, d), (1, 128, 2, 64), jnp.bfloat16)
+    spec = make_spec(128, 128, d, jnp.bfloat16, interpret=False)
+    for module in (attention.mosaic_forward, attention.mosaic_backward):
+        assert module.unsupported_reason(spec, q, k, v) is None
+    cfg = attention.mosaic_backward.default_backward_config(d)
+    assert not attention.mosaic_backward.uses_fused(spec, q, k, cfg, head_dim_v=64)
+    assert attention._choose_backends("auto", spec, q, k, v) == ("guarded", "guarded")
+    assert attention._choose_backends("mosaic", spec, q, k, v) == ("mosaic", "mosaic")
 
 
 @pytest.mark.parametrize("dims,match", [
@@ -143,7 +145,8 @@ def test_mosaic_forward_refuses_other_v_head_dims(monkeypatch, dims, match):
     d, d_v = dims
     q, k, v = _arrays((1, 128, 4, d), (1, 128, 2, d), (1, 128, 2, d_v), jnp.bfloat16)
     spec = make_spec(128, 128, d, jnp.bfloat16, interpret=False)
-    assert match in attention.mosaic_forward.unsupported_reason(spec, q, k, v)
+    for module in (attention.mosaic_forward, attention.mosaic_backward):
+        assert match in module.unsupported_reason(spec, q, k, v)
     assert attention._choose_backends("auto", spec, q, k, v) == ("triton", "triton")
     with pytest.raises(ValueError, match=r"backend='mosaic' cannot serve this call"):
         attention._choose_backends("mosaic", spec, q, k, v)
@@ -153,9 +156,9 @@ def test_mosaic_forward_refuses_other_v_head_dims(monkeypatch, dims, match):
     ((192, 128), dict(causal=True)),
     ((128, 64), dict(kv_lengths=[100, 0], sinks=[0.5, -1.0, 2.0, 0.0])),
 ], ids=["mla-causal-gqa", "d128-64-lengths-sinks"])
-def test_mosaic_forward_interpret_matches_reference(dims, options):
-    """The Mosaic forward with V's own head_dim in the GPU interpreter (then the Triton
-    backward): O, lse, dq, dk, dv against the float32 reference."""
+def test_mosaic_interpret_matches_reference(dims, options):
+    """The Mosaic kernels with V's own head_dim in the GPU interpreter, both passes: O, lse,
+    dq, dk, dv against the float32 reference (192 splits dK/dV's columns in two)."""
     d, d_v = dims
     q, k, v, do = random_inputs(jax.random.PRNGKey(21), 2, 100, 100, 4, 2, d, jnp.bfloat16,
                                 head_dim_v=d_v)
@@ -163,16 +166,27 @@ def test_mosaic_forward_interpret_matches_reference(dims, options):
                             **_options((2, 100, 100), options))
 
 
-def test_mosaic_forward_lowers_for_sm90(monkeypatch):
-    """The MLA forward lowers for the cuda platform (interpret mode does not model the TMA
+@pytest.mark.parametrize("dims,softcap", [((192, 128), None), ((192, 128), 30.0),
+                                          ((128, 64), None)],
+                         ids=["mla-paired", "mla-softcap-unpaired", "d128-64"])
+def test_mosaic_training_step_lowers_for_sm90(monkeypatch, dims, softcap):
+    """Both MLA passes lower for the cuda platform (interpret mode does not model the TMA
     and wgmma layouts that a second head_dim touches)."""
     monkeypatch.setattr(attention, "_is_sm90", lambda: True)
     monkeypatch.setattr(attention, "_capability", lambda: "9.0")
-    q, k, v = _arrays((1, 1024, 4, 192), (1, 1024, 2, 192), (1, 1024, 2, 128), jnp.bfloat16)
-    fn = lambda q, k, v: pf.flash_attention(q, k, v, causal=True, backend="mosaic",  # noqa: E731
-                                            interpret=False)
-    text = jax.jit(fn).trace(q, k, v).lower(lowering_platforms=("cuda",)).as_text()
-    assert f"{attention.mosaic_forward.KERNEL_NAME}_mosaic_gpu" in text
+    d, d_v = dims
+    q, k, v = _arrays((1, 1024, 4, d), (1, 1024, 2, d), (1, 1024, 2, d_v), jnp.bfloat16)
+    do = jax.ShapeDtypeStruct((1, 1024, 4, d_v), jnp.bfloat16)
+
+    def step(q, k, v, do):
+        fn = lambda q, k, v: pf.flash_attention(q, k, v, causal=True, softcap=softcap,  # noqa
+                                                backend="mosaic", interpret=False)
+        return jax.vjp(fn, q, k, v)[1](do)
+
+    text = jax.jit(step).trace(q, k, v, do).lower(lowering_platforms=("cuda",)).as_text()
+    for name in (attention.mosaic_forward.KERNEL_NAME, attention.mosaic_backward.DKDV_KERNEL_NAME,
+                 attention.mosaic_backward.DQ_KERNEL_NAME):
+        assert f"{name}_mosaic_gpu" in text, name
 
 
 # ---- errors and tiles (no kernel runs) ---------------------------------------------------------

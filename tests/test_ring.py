@@ -552,13 +552,13 @@ def test_plan_backends(monkeypatch):
                                                                                "triton")}
     assert backends(_plan("zigzag", True)) == {("triton", "triton")}
     # A V head_dim above Q/K's only the Triton kernels take; "mosaic" refuses it. One below
-    # (MLA) takes the Mosaic forward and the Triton backward.
+    # (MLA) takes the Mosaic kernels.
     assert backends(_plan("zigzag", True, **dict(compiled, head_dim_v=128))) == {("triton",
                                                                                  "triton")}
     with pytest.raises(ValueError, match="backend='mosaic' cannot serve .*v head_dim 128"):
         _plan("zigzag", True, **dict(compiled, head_dim_v=128), backend="mosaic")
     assert backends(_plan("zigzag", True, **dict(compiled, head_dim_v=32))) == {("guarded",
-                                                                                "triton")}
+                                                                                "guarded")}
     # A block the Mosaic forward refuses (here: any with a position offset) runs on Triton.
     real = mosaic_forward.unsupported_reason
     monkeypatch.setattr(mosaic_forward, "unsupported_reason", lambda spec, *a, **kw: (

@@ -1,7 +1,8 @@
 """Backward kernels for Hopper (sm_90), lowered through Pallas Mosaic GPU: dK/dV, then dQ.
 
 Contract of `triton.backward.backward`: (dq, dk, dv) in the dtypes and layouts of q, k, v, from
-the forward's stats.RowStats. Tile by tile, with c = logit_scale * log2(e), u in logit units
+the forward's stats.RowStats. V may have a head_dim below Q/K's (MLA): V, dO and dV take it,
+Q, K, dQ and dK Q/K's; the two kernels below serve it, the fused one does not. Tile by tile, with c = logit_scale * log2(e), u in logit units
 and D = rowsum(dO * O) - dlse (one XLA pass before the kernels):
     P = 2^((u - m) c - r),  dP = dO V^T,  dS = P (dP - D)   (times 1 - t^2 with a softcap).
 Where fused_backward.py serves the call (config.fused), it runs instead of these two kernels.
@@ -61,15 +62,16 @@ F16_CAST_LIMIT = 2.0 ** 14       # |dS| above this is scaled down before the flo
 def unsupported_reason(spec: AttentionSpec, q, k, v,
                        config: MosaicBackwardConfig | None = None):
     """Why these kernels cannot take the call, or None if they can."""
-    reason = unsupported_operands("backward", q, k, v)
+    reason = unsupported_operands("backward", q, k, v, v_head_dim_may_differ=True)
     if reason is not None:
         return reason
-    head_dim = q.shape[-1]
+    head_dim, head_dim_v = q.shape[-1], v.shape[-1]
     cfg = config or default_backward_config(head_dim)
-    if uses_fused(spec, q, k, cfg):
+    if uses_fused(spec, q, k, cfg, head_dim_v):
         kernels = (("fused", cfg.fused_smem_bytes(head_dim)),)
     else:
-        kernels = (("dK/dV", cfg.dkdv_smem_bytes(head_dim)), ("dQ", cfg.dq_smem_bytes(head_dim)))
+        kernels = (("dK/dV", cfg.dkdv_smem_bytes(head_dim, head_dim_v=head_dim_v)),
+                   ("dQ", cfg.dq_smem_bytes(head_dim, head_dim_v=head_dim_v)))
     for name, need in kernels:
         if need > SMEM_LIMIT:
             return (f"mosaic backward: config {cfg} needs {need} bytes of shared memory in the "
@@ -77,8 +79,12 @@ def unsupported_reason(spec: AttentionSpec, q, k, v,
     return None
 
 
-def uses_fused(spec: AttentionSpec, q, k, cfg: MosaicBackwardConfig) -> bool:
-    """Whether `backward` runs the one-kernel path (fused_backward.py) for this call."""
+def uses_fused(spec: AttentionSpec, q, k, cfg: MosaicBackwardConfig,
+               head_dim_v: int | None = None) -> bool:
+    """Whether `backward` runs the one-kernel path (fused_backward.py) for this call; never
+    with V's own head_dim (head_dim_v)."""
+    if head_dim_v is not None and head_dim_v != q.shape[-1]:
+        return False
     return cfg.fused and fused_backward.unsupported_reason(spec, q, k, cfg) is None
 
 
@@ -135,7 +141,7 @@ def _dkdv_body(q_ref, k_ref, v_ref, do_ref, st_ref, q_ids_ref, kv_ids_ref, cta_s
                k_loaded, v_loaded, q_loaded, do_loaded, st_loaded, slot_free, halves_done,
                *extra_smem,
                spec: AttentionSpec, cfg: MosaicBackwardConfig, group: int, head_dim: int,
-               order: TileGrid):
+               head_dim_v: int, order: TileGrid):
     mask = spec.mask
     paired = cfg.dkdv_pairs(spec, head_dim)
     if paired:
@@ -149,7 +155,8 @@ def _dkdv_body(q_ref, k_ref, v_ref, do_ref, st_ref, q_ids_ref, kv_ids_ref, cta_s
     splits = cfg.dkdv_col_splits(head_dim)
     row_tiles = wgs // splits
     cta_rows = row_tiles * WG_ROWS
-    cols = head_dim // splits
+    # Each split's columns of dK (and Q) and of dV (and dO).
+    cols_k, cols_v = head_dim // splits, head_dim_v // splits
     c = logit_scale(spec) * LOG2E
     # Keys past seq_kv exist only in a partial 64-row tile, which then needs the mask.
     kv_len = mask.seq_kv if mask.seq_kv % WG_ROWS else None
@@ -164,8 +171,9 @@ def _dkdv_body(q_ref, k_ref, v_ref, do_ref, st_ref, q_ids_ref, kv_ids_ref, cta_s
     n_cta = cta_hi - cta_lo  # q blocks per head that the CTA streams
     total = group * n_cta
 
-    def compute(col: int, row_tile):
+    def compute(split: int, row_tile):
         plgpu.set_max_registers(cfg.compute_registers, action="increase")
+        col_k, col_v = split * cols_k, split * cols_v
         key0 = kv_start + row_tile * WG_ROWS
         bounds = mask.q_blocks(key0, WG_ROWS, block_q, mask.seq_kv, mask.seq_q)
         kv_ids = None
@@ -174,7 +182,8 @@ def _dkdv_body(q_ref, k_ref, v_ref, do_ref, st_ref, q_ids_ref, kv_ids_ref, cta_s
             kv_ids = plgpu.load(kv_ids_ref.at[batch, pl.ds(key0, WG_ROWS)], optimized=False)
         lo, full_lo, full_hi, hi = clamp_range(bounds, cta_lo, cta_hi)
         my_k, my_v = k_smem.at[row_tile], v_smem.at[row_tile]
-        col_slice = (slice(None),) if splits == 1 else (slice(None), pl.ds(col, cols))
+        q_cols = (slice(None),) if splits == 1 else (slice(None), pl.ds(col_k, cols_k))
+        do_cols = (slice(None),) if splits == 1 else (slice(None), pl.ds(col_v, cols_v))
         stage = stage_smem[0].at[wg] if spec.interpret else None
         plgpu.barrier_wait(k_loaded.at[row_tile])
         plgpu.barrier_wait(v_loaded.at[row_tile])
@@ -183,7 +192,7 @@ def _dkdv_body(q_ref, k_ref, v_ref, do_ref, st_ref, q_ids_ref, kv_ids_ref, cta_s
             """A step of `dkdv_paired`: warpgroup 0 forms P^T and hands it over, warpgroup 1
             forms dP^T and dS^T and hands that back; each adds its columns of dV and dK."""
             wait_do = lambda: plgpu.barrier_wait(do_loaded.at[slot])
-            if col == 0:
+            if split == 0:
                 wait_q()
                 p_t, _, _ = transposed_probabilities(spec, c, my_k, q_blk, st, shape,
                                                      visible_fn)
@@ -191,14 +200,14 @@ def _dkdv_body(q_ref, k_ref, v_ref, do_ref, st_ref, q_ids_ref, kv_ids_ref, cta_s
                 pt_smem[...] = p_t
                 plgpu.barrier_arrive(pt_ready)
                 wait_do()
-                dv = product(dv, p_t.astype(dtype), do_blk.at[col_slice],
+                dv = product(dv, p_t.astype(dtype), do_blk.at[do_cols],
                              interpret=spec.interpret, stage_ref=stage)
                 plgpu.barrier_wait(ds_ready)
                 if jnp.dtype(dtype) == jnp.float16:
                     fk_new = plgpu.load(fk_smem)
                     dk = dk * bcast_rows(fk / fk_new, dk.shape)
                     fk = fk_new
-                dk = accumulate(dk, ds_smem, q_blk.at[col_slice], interpret=spec.interpret)
+                dk = accumulate(dk, ds_smem, q_blk.at[q_cols], interpret=spec.interpret)
                 plgpu.barrier_arrive(ds_free)
                 return dk, dv, fk
             wait_q()
@@ -216,11 +225,11 @@ def _dkdv_body(q_ref, k_ref, v_ref, do_ref, st_ref, q_ids_ref, kv_ids_ref, cta_s
                 fk_smem[...] = fk
             plgpu.commit_smem()  # dS^T is read by the partner's wgmma (the async proxy)
             plgpu.barrier_arrive(ds_ready)
-            dv = product(dv, p_t.astype(dtype), do_blk.at[col_slice],
+            dv = product(dv, p_t.astype(dtype), do_blk.at[do_cols],
                          interpret=spec.interpret, stage_ref=stage)
             if rescale is not None:
                 dk = dk * bcast_rows(rescale, dk.shape)
-            dk = product(dk, ds_in, q_blk.at[col_slice], interpret=spec.interpret,
+            dk = product(dk, ds_in, q_blk.at[q_cols], interpret=spec.interpret,
                          stage_ref=stage)
             return dk, dv, fk
 
@@ -255,12 +264,12 @@ def _dkdv_body(q_ref, k_ref, v_ref, do_ref, st_ref, q_ids_ref, kv_ids_ref, cta_s
                 spec, c, my_k, my_v, q_blk, do_blk, st, shape, wait_q=wait_q,
                 wait_do=lambda: plgpu.barrier_wait(do_loaded.at[slot]),
                 visible_fn=visible_fn if masked else None)
-            dv = product(dv, p_t.astype(dtype), do_blk.at[col_slice],
+            dv = product(dv, p_t.astype(dtype), do_blk.at[do_cols],
                           interpret=spec.interpret, stage_ref=stage)
             ds_in, rescale, fk = _cast_rows(ds_t, fk, dtype)
             if rescale is not None:
                 dk = dk * bcast_rows(rescale, dk.shape)
-            dk = product(dk, ds_in, q_blk.at[col_slice], interpret=spec.interpret,
+            dk = product(dk, ds_in, q_blk.at[q_cols], interpret=spec.interpret,
                           stage_ref=stage)
             plgpu.barrier_arrive(slot_free.at[slot])
             return dk, dv, fk
@@ -281,13 +290,14 @@ def _dkdv_body(q_ref, k_ref, v_ref, do_ref, st_ref, q_ids_ref, kv_ids_ref, cta_s
             lax.fori_loop(hi, cta_hi, lambda i, _: drain(h, i), None)
             return carry
 
-        carry = (zeros_acc(WG_ROWS, cols), zeros_acc(WG_ROWS, cols), row_vector(1.0, WG_ROWS))
+        carry = (zeros_acc(WG_ROWS, cols_k), zeros_acc(WG_ROWS, cols_v),
+                 row_vector(1.0, WG_ROWS))
         if paired:
             # Each side starts with its buffer free: one arrival ahead, awaited after the loop.
-            plgpu.barrier_arrive(ds_free if col == 0 else pt_free)
+            plgpu.barrier_arrive(ds_free if split == 0 else pt_free)
         dk, dv, fk = lax.fori_loop(0, group, head_loop, carry)
         if paired:
-            plgpu.barrier_wait(pt_free if col == 0 else ds_free)
+            plgpu.barrier_wait(pt_free if split == 0 else ds_free)
         dk = dk * bcast_rows(fk * spec.scale, dk.shape)
 
         # K and V are no longer read: their buffers carry dK and dV out.
@@ -308,8 +318,8 @@ def _dkdv_body(q_ref, k_ref, v_ref, do_ref, st_ref, q_ids_ref, kv_ids_ref, cta_s
             plgpu.barrier_wait(halves_done)
 
         both_arrived()
-        my_k.at[:, pl.ds(col, cols)][...] = dk.astype(dtype)
-        my_v.at[:, pl.ds(col, cols)][...] = dv.astype(dtype)
+        my_k.at[:, pl.ds(col_k, cols_k)][...] = dk.astype(dtype)
+        my_v.at[:, pl.ds(col_v, cols_v)][...] = dv.astype(dtype)
         plgpu.commit_smem()
         both_arrived()
 
@@ -325,7 +335,7 @@ def _dkdv_body(q_ref, k_ref, v_ref, do_ref, st_ref, q_ids_ref, kv_ids_ref, cta_s
 
     for col_split in range(splits):
         pl.when((wg < wgs) & (lax.rem(wg, jnp.int32(splits)) == col_split))(
-            functools.partial(compute, col_split * cols, idiv(wg, splits)))
+            functools.partial(compute, col_split, idiv(wg, splits)))
 
     @pl.when(wg == wgs)
     def _copy():
@@ -356,6 +366,7 @@ def _dq_body(q_ref, k_ref, v_ref, do_ref, st_ref, q_ids_ref, kv_ids_ref, cta_seg
              own_loaded, k_loaded, v_loaded, k_free, v_free, *stage_smem,
              spec: AttentionSpec, cfg: MosaicBackwardConfig, group: int, n_tiles: int,
              head_dim: int, order: TileGrid):
+    # dO's and V's head_dim come with their buffers: only dQ's (Q/K's) is named here.
     mask = spec.mask
     dtype = q_ref.dtype
     block_kv, stages, wgs = cfg.dq_block_kv, cfg.dq_stages, cfg.dq_compute_wgs
@@ -504,7 +515,7 @@ def backward(spec: AttentionSpec, q, k, v, out, stats: RowStats, do, dlse, q_ids
     Raises NotImplementedError for anything these kernels do not serve (`unsupported_reason`).
     """
     batch, seq_q, q_heads, head_dim = q.shape
-    seq_kv, kv_heads = k.shape[1], k.shape[2]
+    seq_kv, kv_heads, head_dim_v = k.shape[1], k.shape[2], v.shape[3]
     cfg = config or default_backward_config(head_dim)
     if (q_ids is not None) != spec.has_segments or (kv_ids is not None) != spec.has_segments:
         raise ValueError("mosaic backward: q_ids and kv_ids are given exactly when "
@@ -530,7 +541,7 @@ def backward(spec: AttentionSpec, q, k, v, out, stats: RowStats, do, dlse, q_ids
     # The TMA tiles the sequence axis by 8 rows; the kernels bound everything by spec.mask.
     q, do = pad_seq(q, 8), pad_seq(do, 8)
     k, v = pad_seq(k, 8), pad_seq(v, 8)
-    if uses_fused(spec, q, k, cfg):
+    if uses_fused(spec, q, k, cfg, head_dim_v):
         dq, dk, dv = fused_backward.fused_backward(spec, q, k, v, do, rows, cfg)
         return dq[:, :seq_q], dk[:, :seq_kv], dv[:, :seq_kv]
     interpret = plgpu.InterpretGPUParams() if spec.interpret else None
@@ -544,10 +555,10 @@ def backward(spec: AttentionSpec, q, k, v, out, stats: RowStats, do, dlse, q_ids
     n_kv_tiles = pl.cdiv(seq_kv, block_kv)
     orders = backward_orders(spec, cfg, q, k, n_kv_tiles, pl.cdiv(seq_q, cfg.dq_block_q()))
     scratch = [
-        plgpu.SMEM((row_tiles, WG_ROWS, head_dim), dtype),
-        plgpu.SMEM((row_tiles, WG_ROWS, head_dim), dtype),
-        plgpu.SMEM((st, bq, head_dim), dtype),
-        plgpu.SMEM((st, bq, head_dim), dtype),
+        plgpu.SMEM((row_tiles, WG_ROWS, head_dim), dtype),     # K, then dK
+        plgpu.SMEM((row_tiles, WG_ROWS, head_dim_v), dtype),   # V, then dV
+        plgpu.SMEM((st, bq, head_dim), dtype),                 # Q
+        plgpu.SMEM((st, bq, head_dim_v), dtype),               # dO
         plgpu.SMEM((st, 3, bq), jnp.float32),
         plgpu.Barrier(num_barriers=row_tiles),
         plgpu.Barrier(num_barriers=row_tiles),
@@ -571,11 +582,10 @@ def backward(spec: AttentionSpec, q, k, v, out, stats: RowStats, do, dlse, q_ids
             kv_ids, q_ids, n_kv_tiles * block_kv, pl.cdiv(seq_q, bq) * bq, cta_rows=block_kv,
             n_ctas=n_kv_tiles, block_col=bq, pad_row_id=PAD_KEY_ID, pad_col_id=PAD_QUERY_ID)
         args += [q_ids_p, kv_ids_p, cta, wg]
-    kv_shape = jax.ShapeDtypeStruct(k.shape, dtype)
     dk, dv = plgpu.kernel(
         functools.partial(_with_segment_refs(_dkdv_body), spec=spec, cfg=cfg, group=group,
-                          head_dim=head_dim, order=orders[0]),
-        out_type=(kv_shape, kv_shape),
+                          head_dim=head_dim, head_dim_v=head_dim_v, order=orders[0]),
+        out_type=(jax.ShapeDtypeStruct(k.shape, dtype), jax.ShapeDtypeStruct(v.shape, dtype)),
         scratch_types=scratch,
         **orders[0].params(),
         num_threads=wgs + 1,
@@ -589,11 +599,11 @@ def backward(spec: AttentionSpec, q, k, v, out, stats: RowStats, do, dlse, q_ids
     wgs = cfg.dq_compute_wgs
     bkv, st = cfg.dq_block_kv, cfg.dq_stages
     scratch = [
-        plgpu.SMEM((wgs, WG_ROWS, head_dim), dtype),
-        plgpu.SMEM((wgs, WG_ROWS, head_dim), dtype),
+        plgpu.SMEM((wgs, WG_ROWS, head_dim), dtype),     # Q, then dQ
+        plgpu.SMEM((wgs, WG_ROWS, head_dim_v), dtype),   # dO
         plgpu.SMEM((wgs, 3, WG_ROWS), jnp.float32),
-        plgpu.SMEM((st, bkv, head_dim), dtype),
-        plgpu.SMEM((st, bkv, head_dim), dtype),
+        plgpu.SMEM((st, bkv, head_dim), dtype),          # K
+        plgpu.SMEM((st, bkv, head_dim_v), dtype),        # V
         plgpu.Barrier(num_barriers=3 * wgs),
         plgpu.Barrier(num_barriers=st),
         plgpu.Barrier(num_barriers=st),

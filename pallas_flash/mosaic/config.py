@@ -264,9 +264,12 @@ class MosaicBackwardConfig:
 
     # ---- budgets (compiled path; interpret mode adds staging buffers) ------------------------
 
-    def dkdv_smem_bytes(self, head_dim: int, itemsize: int = 2) -> int:
-        kv = 2 * self.dkdv_block_kv(head_dim) * head_dim * itemsize
-        stream = self.dkdv_stages * (2 * self.dkdv_block_q * head_dim * itemsize
+    def dkdv_smem_bytes(self, head_dim: int, itemsize: int = 2,
+                        head_dim_v: int | None = None) -> int:
+        """head_dim_v: V's head_dim where it is not Q/K's (MLA), as in the methods below."""
+        both = head_dim + (head_dim if head_dim_v is None else head_dim_v)   # K and V, Q and dO
+        kv = self.dkdv_block_kv(head_dim) * both * itemsize
+        stream = self.dkdv_stages * (self.dkdv_block_q * both * itemsize
                                      + 3 * self.dkdv_block_q * 4)
         # The paired exchange (counted even where a softcap turns it off): P^T in float32,
         # dS^T in the input dtype, the float16 row scales.
@@ -274,10 +277,12 @@ class MosaicBackwardConfig:
                   if self.dkdv_paired and self.dkdv_col_splits(head_dim) > 1 else 0)
         return kv + stream + paired + SMEM_RESERVED
 
-    def dq_smem_bytes(self, head_dim: int, itemsize: int = 2) -> int:
+    def dq_smem_bytes(self, head_dim: int, itemsize: int = 2,
+                      head_dim_v: int | None = None) -> int:
+        both = head_dim + (head_dim if head_dim_v is None else head_dim_v)   # Q and dO, K and V
         rows = self.dq_block_q()
-        own = 2 * rows * head_dim * itemsize + 3 * rows * 4
-        stream = self.dq_stages * 2 * self.dq_block_kv * head_dim * itemsize
+        own = rows * both * itemsize + 3 * rows * 4
+        stream = self.dq_stages * self.dq_block_kv * both * itemsize
         return own + stream + SMEM_RESERVED
 
     def fused_smem_bytes(self, head_dim: int, itemsize: int = 2) -> int:
