@@ -2,8 +2,9 @@
 
 Contract of `triton.backward.backward`: (dq, dk, dv) in the dtypes and layouts of q, k, v, from
 the forward's stats.RowStats. V may have a head_dim below Q/K's (MLA): V, dO and dV take it,
-Q, K, dQ and dK Q/K's; the two kernels below serve it, the fused one does not. Tile by tile, with c = logit_scale * log2(e), u in logit units
-and D = rowsum(dO * O) - dlse (one XLA pass before the kernels):
+Q, K, dQ and dK Q/K's; the two kernels below serve it, the fused one does not. Tile by tile,
+with c = logit_scale * log2(e), u in logit units and D = rowsum(dO * O) - dlse (one XLA pass
+before the kernels):
     P = 2^((u - m) c - r),  dP = dO V^T,  dS = P (dP - D)   (times 1 - t^2 with a softcap).
 Where fused_backward.py serves the call (config.fused), it runs instead of these two kernels.
 
