@@ -3,8 +3,8 @@
 O and dV have V's head_dim, dQ and dK Q/K's; lse and the saved row statistics are unchanged.
 Both backends serve both passes. The Mosaic kernels take a V head_dim below Q/K's when both
 are Mosaic head dims (their two-kernel backward; the fused one keeps one head_dim); otherwise
-"auto" takes Triton and backend="mosaic" refuses. Compared with reference_attention in float32 under random
-cotangents for O and lse (helpers.check_against_reference).
+"auto" takes Triton and backend="mosaic" refuses. Compared with reference_attention in float32
+under random cotangents for O and lse (helpers.check_against_reference).
 """
 
 import warnings
