@@ -3,9 +3,9 @@
 Compiled on an sm_90 GPU: contiguous and paged caches (random block tables whose entries past
 each sequence point at a NaN page, which must never be read), lengths that are not page or
 block multiples, empty sequences and tokens at negative positions, q_len 1 to 16, GQA 1 to 8,
-bf16 / f16, head_dim 48 / 64 / 128 / 192 / 256, softcap, window, sinks; the same cases with
-NaN and inf at every cache position no query sees. On any machine: the Python half of the
-sm_90 compile, one small case in interpret mode, the tiles and what the kernel refuses.
+bf16 / f16, head_dim 48 / 64 / 96 / 128 / 192 / 224 / 256, softcap, window, sinks; the same
+cases with NaN and inf at every cache position no query sees. On any machine: the Python half
+of the sm_90 compile, small cases in interpret mode, the tiles and what the kernel refuses.
 """
 
 import dataclasses
@@ -104,6 +104,10 @@ CASES = [
                  id="bf16-paged128-mha-empty-sequence"),
     pytest.param(jnp.bfloat16, 2, 4, 8, 2, 48, 1024, 32, [1000, 333], dict(window=(200, 0)),
                  id="bf16-paged32-d48-window"),
+    pytest.param(jnp.bfloat16, 2, 4, 8, 2, 96, 1024, 32, [1000, 333], dict(window=(200, 0)),
+                 id="bf16-paged32-d96-window"),
+    pytest.param(jnp.float16, 1, 1, 4, 1, 224, 512, None, [300], dict(),
+                 id="f16-d224-seven-o-pieces"),
     pytest.param(jnp.float16, 1, 16, 16, 2, 192, 768, None, [700], dict(softcap=25.0),
                  id="f16-d192-two-row-tiles-softcap"),
     pytest.param(jnp.float16, 2, 2, 8, 1, 128, 640, None, [640, 2], dict(num_splits=3),
@@ -133,12 +137,13 @@ def test_unseen_non_finite_values_are_confined(dtype, batch, q_len, q_heads, kv_
 @pytest.mark.skipif(ON_GPU, reason="the interpret-mode check is for machines without a GPU")
 # The interpreter's Q K^T (numpy) meets the NaN keys, which the mask then drops.
 @pytest.mark.filterwarnings("ignore:invalid value encountered in matmul:RuntimeWarning")
-def test_interpret_mode_matches_reference():
+@pytest.mark.parametrize("head_dim", [64, 96])
+def test_interpret_mode_matches_reference(head_dim):
     # Pages of 16 keys, four to a 64-key block; a window; a token at a negative position; NaN
     # and inf in K and V at every position no query sees (past each length, before the
-    # window), which may not reach the output.
-    _run(jnp.bfloat16, 2, 2, 4, 1, 64, 192, 16, [150, 1], dict(window=(40, 0), num_splits=2),
-         interpret=True, poison=True)
+    # window), which may not reach the output. At 96, O leaves in three 32-column pieces.
+    _run(jnp.bfloat16, 2, 2, 4, 1, head_dim, 192, 16, [150, 1],
+         dict(window=(40, 0), num_splits=2), interpret=True, poison=True)
 
 
 def _plan(**changes):
@@ -172,8 +177,12 @@ def _lowers(plan):
     dict(head_dim=256, q_len=16, rows=128, group=8, q_heads=16),
     dict(head_dim=48, page_size=32, pages_per_seq=32),
     dict(head_dim=192, q_len=16, rows=128, group=8, q_heads=16),
+    dict(head_dim=96, page_size=32, pages_per_seq=32),
+    dict(head_dim=160, q_len=16, rows=128, group=8, q_heads=16),
+    dict(head_dim=224),
 ], ids=["contiguous", "paged16-softcap-window", "paged256-d64", "two-warpgroups-f16",
-        "d256-two-row-tiles", "paged32-d48", "d192-two-row-tiles"])
+        "d256-two-row-tiles", "paged32-d48", "d192-two-row-tiles", "paged32-d96",
+        "d160-two-row-tiles", "d224"])
 def test_lowers_for_sm90(changes):
     _lowers(_plan(**changes))
 
@@ -202,14 +211,15 @@ def test_default_tiles_fit(head_dim, rows, page_size):
 @pytest.mark.parametrize("changes,match", [
     (dict(dtype=jnp.dtype(jnp.float32)), "dtype float32"),
     (dict(head_dim=72), "head_dim 72"),
-    (dict(head_dim=96), "head_dim 96"),   # a training head dim, not whole 64-column O pieces
+    (dict(head_dim=80), "head_dim 80"),   # a training head dim, not whole 32-element groups
     (dict(max_len=1003, chunk=1024, num_splits=1), "max_len 1003 is not a multiple of 8"),
 ])
 def test_unsupported_reason(changes, match):
     assert match in mosaic.unsupported_reason(_plan(**changes))
 
 
-@pytest.mark.parametrize("head_dim,backend", [(96, "triton"), (160, "triton"), (192, "mosaic")])
+@pytest.mark.parametrize("head_dim,backend", [(80, "triton"), (112, "triton"), (96, "mosaic"),
+                                              (160, "mosaic")])
 def test_auto_sends_other_head_dims_to_triton_on_hopper(monkeypatch, head_dim, backend):
     # A head dim the training kernels take but this kernel does not still decodes, on Triton.
     monkeypatch.setattr(decode.attention, "_is_sm90", lambda: True)

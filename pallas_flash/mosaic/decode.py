@@ -79,19 +79,27 @@ class DecodeTiles:
         rows = self.compute_wgs * WG_ROWS
         kv = 2 * self.stages * self.block_kv * head_dim * itemsize
         # Q in the input dtype; O and lse staged in float32 for their TMA stores.
-        own = rows * head_dim * itemsize + rows * min(head_dim, _O_COLS) * 4 + rows * 4
+        own = rows * head_dim * itemsize + rows * _o_cols(head_dim) * 4 + rows * 4
         return kv + own + SMEM_RESERVED
 
 
 # Bytes of K and V an SM keeps in flight: the H200's copy rate times its loaded memory latency,
 # spread over its 132 SMs, is about half of this.
 _SM_IN_FLIGHT = 128 * 1024
-# Columns of O staged at a time for its TMA store.
+# Columns of O staged at a time for its TMA store (at most; `_o_cols`).
 _O_COLS = 64
-# O leaves in whole _O_COLS-column float32 pieces (or one piece up to that width), and cache
-# rows wider than 64 elements take the 128-byte swizzle: head_dim is at most 64, or a multiple
-# of 64. The training kernels' other head dims decode on the Triton kernel.
-DECODE_HEAD_DIMS = tuple(d for d in SUPPORTED_HEAD_DIMS if d <= _O_COLS or d % _O_COLS == 0)
+# Cache rows wider than 64 elements are loaded whole into registers when a masked block's
+# unseen V rows are zeroed, which Mosaic GPU's swizzled tiles allow for whole 32-element
+# groups: head_dim is at most 64, or a multiple of 32. The training kernels' other head dims
+# (80, 112) decode on the Triton kernel.
+DECODE_HEAD_DIMS = tuple(d for d in SUPPORTED_HEAD_DIMS if d <= 64 or d % 32 == 0)
+
+
+def _o_cols(head_dim: int) -> int:
+    """Columns of each O piece: whole pieces that cover head_dim exactly."""
+    if head_dim <= _O_COLS:
+        return head_dim
+    return next(w for w in (_O_COLS, 32, 16) if head_dim % w == 0)
 # Shared memory of each of two CTAs resident on one SM (the hardware keeps 1 KB per CTA).
 _HALF_SM = (SMEM_LIMIT - 1024) // 2
 
@@ -311,7 +319,7 @@ def _kernel(*refs, plan, tiles: DecodeTiles, n_tiles: int):
         # rows alone (a TMA box past the rows axis would reach the next cell's rows). O leaves
         # in column pieces through one float32 staging buffer (head_dim 256 fits no larger).
         cell_out = (batch * plan.kv_heads + kv_head) * n_splits + split
-        width = min(head_dim, _O_COLS)
+        width = _o_cols(head_dim)
 
         def store(n: int):
             for piece in range(head_dim // width):
@@ -389,7 +397,7 @@ def partial(plan, q_packed, k_cache, v_cache, kv_lengths, block_table, *,
         plgpu.SMEM((wgs, WG_ROWS, head_dim), dtype),
         plgpu.SMEM((tiles.stages, tiles.block_kv, head_dim), dtype),
         plgpu.SMEM((tiles.stages, tiles.block_kv, head_dim), dtype),
-        plgpu.SMEM((wgs, WG_ROWS, min(head_dim, _O_COLS)), jnp.float32),
+        plgpu.SMEM((wgs, WG_ROWS, _o_cols(head_dim)), jnp.float32),
         plgpu.SMEM((wgs, WG_ROWS), jnp.float32),
         plgpu.Barrier(num_barriers=wgs),
         plgpu.Barrier(num_arrivals=pieces, num_barriers=tiles.stages),
