@@ -265,8 +265,17 @@ def markdown_headline(sources: list[tuple[str, dict]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _latest(rows: list[dict]) -> list[dict]:
+    """One row per (case, mask, implementation, variant): a case measured again in a later
+    file replaces the earlier measurement, in the earlier one's place."""
+    keyed = {}
+    for r in rows:
+        keyed[(r["case"], r["causal"], r["impl"], r.get("variant"))] = r
+    return list(keyed.values())
+
+
 def markdown_speed(sources: list[tuple[str, dict]]) -> str:
-    rows = _grouped([r for _, data in sources for r in data["results"]])
+    rows = _grouped(_latest([r for _, data in sources for r in data["results"]]))
     variants = any(r.get("fwd_vs_plain") for r in rows if r["impl"] != PLAIN)
     header = ["case", "mask", "implementation", "forward ms", "forward TFLOP/s",
               "backward ms", "backward TFLOP/s", "forward × cuDNN", "backward × cuDNN"]
@@ -291,7 +300,8 @@ def markdown_speed(sources: list[tuple[str, dict]]) -> str:
             cells[5] = f"bwd error: {r['error']}"
         table.append(cells)
     lines = ["Source: " + _source_line(path, data["meta"], True) for path, data in sources]
-    lines += ["", "Case: batch × seq × q heads × kv heads × head_dim. × cuDNN: cuDNN's time "
+    lines += ["", "Case: batch × seq × q heads × kv heads × head_dim (× V's head_dim where it "
+              "differs). × cuDNN: cuDNN's time "
               "over this row's (above 1: faster). Error: ‖out − ref‖ / ‖ref‖ of the forward "
               "output against a float32 reference on sampled query rows.", ""]
     return "\n".join(lines + _table(header, table)) + "\n"

@@ -157,3 +157,16 @@ def test_a_results_file_of_the_wrong_kind_is_refused(tree):
                     " -->\n<!-- /bench-report:memory -->\n")
     with pytest.raises(ValueError, match="needs memory results"):
         report.run_report([], plot=False, root=str(tree))
+
+
+def test_a_case_measured_again_replaces_the_earlier_row():
+    """Two files with the same (case, mask, implementation): the later measurement stands, in
+    the earlier one's place, and a case only the earlier file has stays."""
+    old = {"meta": META, "results": [_row("2x8192x8x8x256", True, "pallas_flash", 0.785, 3.760),
+                                     _row("2x8192x8x8x64", True, "pallas_flash", 1.1, 3.7)]}
+    new = {"meta": META, "results": [_row("2x8192x8x8x256", True, "pallas_flash", 0.789, 3.881)]}
+    rows = [line for line in report.markdown_speed([("a.json", old), ("b.json", new)]).splitlines()
+            if line.startswith("| 2 × 8192")]
+    assert len(rows) == 2
+    assert "| 0.789 |" in rows[0] and "0.785" not in rows[0]
+    assert "| 2 × 8192 × 8 × 8 × 64 |" in rows[1]
