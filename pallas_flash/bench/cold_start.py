@@ -11,7 +11,10 @@ compilation and three steps. Every implementation runs three times:
 * ``warm``: the cache on, in that folder: what a second process pays.
 
 One untimed child first imports everything, so that the first measured child is not the only one
-to read the libraries from disk.
+to read the libraries from disk. The children run with JAX's default device allocator, which
+reserves most of the GPU's memory at start, as a user's process does: with that reservation off
+(`XLA_PYTHON_CLIENT_PREALLOCATE=false`, which the other benchmarks set so that a process takes
+only what it uses), the first steps also pay the allocator's growth.
 """
 
 from __future__ import annotations
@@ -37,9 +40,12 @@ CLOCK = ("time.time() in the parent just before it spawns the child, to time.tim
          "child at the end of the third step")
 _CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cold_start_child.py")
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-# Settings that would put a cache under the "none" run.
+# Settings that would put a cache under the "none" run, and the allocator settings that make a
+# child's allocator differ from a user's (module docstring).
 _CACHE_ENV = ("JAX_COMPILATION_CACHE_DIR", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS",
               "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES")
+_ALLOCATOR_ENV = ("XLA_PYTHON_CLIENT_PREALLOCATE", "XLA_PYTHON_CLIENT_MEM_FRACTION",
+                  "XLA_PYTHON_CLIENT_ALLOCATOR")
 
 
 def default_impls(backend: str) -> list[str]:
@@ -52,7 +58,7 @@ def baseline_of(impls: list[str]) -> str | None:
 
 
 def child_env(env: dict[str, str]) -> dict[str, str]:
-    env = {k: v for k, v in env.items() if k not in _CACHE_ENV}
+    env = {k: v for k, v in env.items() if k not in _CACHE_ENV + _ALLOCATOR_ENV}
     # -P keeps the child's folder off sys.path; pallas_flash comes from the checkout.
     env["PYTHONPATH"] = os.pathsep.join(p for p in (_ROOT, env.get("PYTHONPATH")) if p)
     return env
@@ -100,9 +106,9 @@ def run_cold_start(args, impls: list[str], cases: list[Case], env: dict[str, str
     baseline = baseline_of(impls)
     section = {"steps": args.cold_start_steps, "dtype": args.dtype, "baseline": baseline,
                "clock": CLOCK, "impls": list(impls), "caches": list(CACHES),
-               "env": {k: env.get(k) for k in ("XLA_PYTHON_CLIENT_PREALLOCATE", "XLA_FLAGS")},
                "runs": runs}
     env = child_env(env)
+    section["env"] = {k: env.get(k) for k in ("XLA_PYTHON_CLIENT_PREALLOCATE", "XLA_FLAGS")}
     print("  cold start: priming the page cache (untimed) ...", flush=True)
     primed = run_child({"prime": True, "impls": list(impls)}, env, args.child_timeout)
     if primed["status"] != "ok":

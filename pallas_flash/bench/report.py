@@ -358,6 +358,14 @@ def _not_measured(sources: list[tuple[str, dict]], key: str, what: str) -> str |
     return f"Not measured yet: {files} holds no {what} run.\n"
 
 
+def _allocator_note(section: dict) -> str:
+    """How the children's device allocator was set (cold_start.py says why it matters)."""
+    if (section.get("env") or {}).get("XLA_PYTHON_CLIENT_PREALLOCATE") == "false":
+        return ("Allocator: grown on demand (XLA_PYTHON_CLIENT_PREALLOCATE=false), so the "
+                "first steps also pay its growth.")
+    return "Allocator: JAX's default, most of the memory reserved at start."
+
+
 def markdown_cold_start(sources: list[tuple[str, dict]]) -> str:
     if (empty := _not_measured(sources, "cold_start", "cold-start")) is not None:
         return empty
@@ -378,7 +386,7 @@ def markdown_cold_start(sources: list[tuple[str, dict]]) -> str:
                   "Cache: JAX's persistent compilation cache off; on, in an empty folder that "
                   "the run fills; warm, filled by the run above"
                   + (f"; − {base}: start → 3rd step minus {base}'s, same cache." if base
-                     else "."), ""]
+                     else ".") + " " + _allocator_note(section), ""]
         header = ([] if one_case else ["case", "mask"]) + [
             "implementation", "cache", "start → 3rd step"] + (
             [f"− {base}"] if base else []) + [

@@ -156,8 +156,11 @@ def test_defaults_and_child_environment(monkeypatch):
     assert cold_start.default_impls("cpu") == ["pallas_flash", "xla"]
     assert cold_start.baseline_of(["pallas_flash", "xla", "cudnn"]) == "cudnn"
     assert cold_start.baseline_of(["pallas_flash"]) is None
-    env = cold_start.child_env({"JAX_COMPILATION_CACHE_DIR": "/tmp/c", "HOME": "/h"})
+    env = cold_start.child_env({"JAX_COMPILATION_CACHE_DIR": "/tmp/c", "HOME": "/h",
+                                "XLA_PYTHON_CLIENT_PREALLOCATE": "false"})
     assert "JAX_COMPILATION_CACHE_DIR" not in env and env["HOME"] == "/h"
+    # A user's allocator: the reservation at start that gpu.sh turns off for other jobs.
+    assert "XLA_PYTHON_CLIENT_PREALLOCATE" not in env
     assert env["PYTHONPATH"]
 
 
