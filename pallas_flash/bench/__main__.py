@@ -50,6 +50,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "(batch 1, 16 heads, head_dim 128, causal), one subprocess per point")
     p.add_argument("--memory-seqs", default=memory.MEMORY_SEQS,
                    help=f"sequence lengths for --memory (default {memory.MEMORY_SEQS})")
+    p.add_argument("--memory-heads", type=int, default=memory.MEMORY_SHAPE[1],
+                   help="q and kv heads of --memory's case (default "
+                        f"{memory.MEMORY_SHAPE[1]}); fewer shorten a step at the longest "
+                        "lengths, where a run's time ends before the memory does")
     p.add_argument("--cold-start", action="store_true",
                    help="instead: seconds from process start to the end of the third "
                         "forward+backward step, and every step's time, one fresh subprocess "
@@ -300,7 +304,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     if args._memory_child:
         impl, seq = args._memory_child
-        result = memory.memory_child(impl, int(seq), args.dtype)
+        result = memory.memory_child(impl, int(seq), args.dtype, args.memory_heads)
         print(memory.CHILD_MARKER + json.dumps(result), flush=True)
         return result
     if args.report is not None:

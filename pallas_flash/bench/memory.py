@@ -2,8 +2,9 @@
 
 Every (implementation, sequence length) point runs in a fresh child process, so that one
 point's peak cannot leak into the next; the child prints its result as one JSON line after
-:data:`CHILD_MARKER`. The shape is batch 1, 16 heads (no GQA), head_dim 128, causal. The floor
-is what any implementation must hold: q, k, v, O, dO and the three gradients.
+:data:`CHILD_MARKER`. The shape is batch 1, 16 heads (no GQA; ``--memory-heads`` takes fewer
+where a step at the longest lengths would outlast the time a run has), head_dim 128, causal. The
+floor is what any implementation must hold: q, k, v, O, dO and the three gradients.
 """
 
 from __future__ import annotations
@@ -28,17 +29,23 @@ CHILD_MARKER = "PALLAS_FLASH_MEMORY_JSON "
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def memory_floor(seq: int, dtype_bytes: int) -> int:
-    """Bytes of q, k, v, o, dq, dk, dv and dO: what any implementation must hold."""
+def memory_shape(heads: int | None = None) -> tuple[int, int, int, int]:
+    """(batch, q_heads, kv_heads, head_dim) of the sweep, with `heads` q and kv heads if given."""
     batch, q_heads, kv_heads, head_dim = MEMORY_SHAPE
+    return (batch, heads, heads, head_dim) if heads else (batch, q_heads, kv_heads, head_dim)
+
+
+def memory_floor(seq: int, dtype_bytes: int, heads: int | None = None) -> int:
+    """Bytes of q, k, v, o, dq, dk, dv and dO: what any implementation must hold."""
+    batch, q_heads, kv_heads, head_dim = memory_shape(heads)
     q_like = batch * seq * q_heads * head_dim     # q, o, dq, dO
     kv_like = batch * seq * kv_heads * head_dim   # k, v, dk, dv
     return (4 * q_like + 4 * kv_like) * dtype_bytes
 
 
-def memory_child(impl: str, seq: int, dtype_name: str) -> dict:
+def memory_child(impl: str, seq: int, dtype_name: str, heads: int | None = None) -> dict:
     """One forward+backward step in this (fresh) process; peak device memory."""
-    batch, q_heads, kv_heads, head_dim = MEMORY_SHAPE
+    batch, q_heads, kv_heads, head_dim = memory_shape(heads)
     case = Case(batch, seq, q_heads, kv_heads, head_dim, causal=True)
     result: dict[str, Any] = {"impl": impl, "seq": seq, "dtype": dtype_name}
     try:
@@ -84,7 +91,7 @@ def run_memory_point(impl: str, seq: int, args) -> dict:
     # Make `-m pallas_flash.bench` importable from any working directory.
     env["PYTHONPATH"] = os.pathsep.join(p for p in (_ROOT, env.get("PYTHONPATH")) if p)
     cmd = [sys.executable, "-m", "pallas_flash.bench", "--_memory-child", impl,
-           str(seq), "--dtype", args.dtype]
+           str(seq), "--dtype", args.dtype, "--memory-heads", str(args.memory_heads)]
     base = {"impl": impl, "seq": seq, "dtype": args.dtype}
     try:
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True,
@@ -103,7 +110,7 @@ def run_memory(args, impl_names, on_point=None) -> dict:
     """Every (impl, seq) point; `on_point(partial result)` after each one."""
     seqs = [parse_seq(s) for s in args.memory_seqs.split(",") if s.strip()]
     dtype_bytes = jnp.dtype(DTYPES[args.dtype]).itemsize
-    batch, q_heads, kv_heads, head_dim = MEMORY_SHAPE
+    batch, q_heads, kv_heads, head_dim = memory_shape(args.memory_heads)
     shape = {"batch": batch, "q_heads": q_heads, "kv_heads": kv_heads,
              "head_dim": head_dim, "causal": True, "dtype": args.dtype}
     points, longest = [], {}
@@ -118,7 +125,7 @@ def run_memory(args, impl_names, on_point=None) -> dict:
             else:
                 print(f"  memory {impl} seq={seq_label(seq)} ...", flush=True)
                 point = run_memory_point(impl, seq, args)
-            point["floor_bytes"] = memory_floor(seq, dtype_bytes)
+            point["floor_bytes"] = memory_floor(seq, dtype_bytes, args.memory_heads)
             peak = point.get("peak_bytes")
             point["peak_over_floor"] = peak / point["floor_bytes"] if peak else None
             if point["status"] == "ok":

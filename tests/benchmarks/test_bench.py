@@ -170,6 +170,13 @@ def test_memory_mode_runs_children(tmp_path):
     assert point["step_s"] > 0
     assert result["memory"]["longest_seq_ok"] == {"xla": 256}
     assert list(tmp_path.glob("memory_*.json"))
+    # Fewer heads (a shorter step at the longest lengths): the child and the floor take them.
+    result = main(["--memory", "--memory-seqs", "256", "--impls", "xla", "--memory-heads", "2",
+                   "--no-plot", "--out", str(tmp_path)])
+    (point,) = result["memory"]["points"]
+    assert point["status"] == "ok", point
+    assert point["floor_bytes"] == 8 * 256 * 2 * 128 * 2
+    assert result["memory"]["shape"]["q_heads"] == 2
 
 
 def test_mla_case_small(tmp_path):
