@@ -9,7 +9,7 @@ For each head_dim, at the benchmark's shape for it (batch 2 or --batch, seq 8192
   - the Mosaic backward alone (O and row statistics precomputed by the Triton forward) for every
     candidate MosaicBackwardConfig, and cuDNN's backward (its vjp, residuals precomputed).
 Timing: one call to compile, then the best of 3 averages of --iters back-to-back calls, device
-synchronised. TFLOP/s use the benchmark's count (forward 4*B*H*S^2*D, halved for causal;
+synchronised. TFLOP/s use the benchmark's count (forward 2*B*H*S^2*(D+Dv), halved for causal;
 backward 2.5x). Every row is printed as it completes and the JSON (<out>/mosaic_tune_<dims>.json)
 is rewritten after each, so a run cut by its time limit keeps what it measured. A config that
 fails to compile or run is a row with its error, not the end of the run. docs/tuning.md says
@@ -44,7 +44,7 @@ from pallas_flash.mosaic.config import SMEM_LIMIT  # noqa: E402
 from pallas_flash.spec import AttentionSpec  # noqa: E402
 from pallas_flash.triton import forward as tf  # noqa: E402
 
-HEADS = {64: 32, 128: 16, 256: 8}
+HEADS = {64: 32, 128: 16, 256: 8}  # other head dims: 16 up to 160, else 8 (the benchmark's)
 # Register budgets of a forward with three compute warpgroups (3 * 160 + 32 = 512 =
 # register_budget(4); FlashAttention-3's split). --fwd-registers is for two.
 THREE_WG_REGISTERS = (160, 32)
@@ -136,6 +136,8 @@ def main():
                    help="sequence length, or a comma list (e.g. 4096,8192,16384: per-step and "
                         "per-CTA costs separate across lengths)")
     p.add_argument("--heads", type=int, default=None, help="q heads (default: the head_dim's)")
+    p.add_argument("--head-dim-v", type=int, default=None,
+                   help="V's head_dim where it differs from Q/K's (MLA, e.g. 128 at 192)")
     p.add_argument("--group", type=int, default=1, help="q heads per kv head (GQA)")
     p.add_argument("--batch", type=int, default=2,
                    help="batch size (1 for the batch-1 launch order, fused_head_chunk)")
@@ -187,19 +189,23 @@ def main():
             json.dump(record, f, indent=1)
 
     for d, s in itertools.product(dims, (int(x) for x in args.seq.split(","))):
-        b, h = args.batch, args.heads or HEADS[d]
+        b, h = args.batch, args.heads or HEADS.get(d, 16 if d <= 160 else 8)
         hkv = h // args.group
+        dv = args.head_dim_v or d
         ks = jax.random.split(jax.random.key(d), 4)
-        q, k, v, do = (jax.random.normal(kk, (b, s, hh, d), jnp.float32).astype(jnp.bfloat16)
-                       for kk, hh in zip(ks, (h, hkv, hkv, h)))
+        q, k, v, do = (jax.random.normal(kk, (b, s, hh, dd), jnp.float32).astype(jnp.bfloat16)
+                       for kk, hh, dd in zip(ks, (h, hkv, hkv, h), (d, d, dv, dv)))
         dlse = jnp.zeros((b, h, s), jnp.float32)
         for causal in (bool(int(c)) for c in args.causal.split(",")):
-            fwd_flops = 4 * b * h * s * s * d / (2 if causal else 1)
+            # 2 (d + dv) FLOPs per attended pair: the benchmark's count.
+            fwd_flops = 2 * b * h * s * s * (d + dv) / (2 if causal else 1)
             spec = AttentionSpec(mask=make_mask_spec(s, s, causal=causal),
                                  scale=1.0 / math.sqrt(d), softcap=None, has_segments=False,
                                  precision=lax.Precision.DEFAULT,
-                                 config=pf.default_config(d, jnp.bfloat16), interpret=False)
-            base = dict(head_dim=d, causal=causal, shape=f"{b}x{s}x{h}x{hkv}x{d}")
+                                 config=pf.default_config(d, jnp.bfloat16, head_dim_v=dv),
+                                 interpret=False)
+            shape = f"{b}x{s}x{h}x{hkv}x{d}" + (f"x{dv}" if dv != d else "")
+            base = dict(head_dim=d, causal=causal, shape=shape)
 
             def run(pass_, impl, build, flops, **extra):
                 try:
