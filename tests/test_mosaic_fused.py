@@ -16,9 +16,11 @@ import pytest
 
 import pallas_flash as pf
 from backends import IS_HOPPER, ON_GPU
-from helpers import backward_args, kernel_names, make_spec, random_inputs
+from helpers import (TOLERANCE, assert_close, backward_args, kernel_names, make_spec,
+                     random_inputs)
 from pallas_flash.mosaic import backward as mosaic
 from pallas_flash.mosaic import fused_backward as fused
+from pallas_flash.mosaic import schedule
 from pallas_flash.mosaic.config import MosaicBackwardConfig, default_backward_config
 from pallas_flash.stats import RowStats
 from pallas_flash.triton import forward as triton_forward
@@ -139,3 +141,132 @@ def test_vmap_folds_into_the_batch():
 
     walk(jax.make_jaxpr(jax.vmap(one))(*args).jaxpr)
     assert launches == [(n, sq, hq, d)], launches
+
+
+# ---- the fused backward split over launches (schedule.fused_launches) --------------------------
+
+def _split_case(seed, b, seq, hq, hkv, d, dtype, causal=True):
+    q, k, v, do = random_inputs(jax.random.PRNGKey(seed), b, seq, seq, hq, hkv, d, dtype)
+    dlse = jax.random.normal(jax.random.PRNGKey(seed + 1), (b, hq, seq), jnp.float32)
+    spec = make_spec(seq, seq, d, dtype, causal=causal)
+    out, stats = triton_forward.forward(spec, q, k, v)
+    return spec, (q, k, v, out, stats, do, dlse)
+
+
+def _launches_of(fn, *args):
+    return sum(1 for eqn in _all_eqns(jax.make_jaxpr(fn)(*args).jaxpr)
+               if eqn.primitive.name in ("pallas_call", "mpmd_map"))
+
+
+def _all_eqns(jaxpr):
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            yield from _all_eqns(sub)
+
+
+@needs_hopper
+@pytest.mark.parametrize("launches,hkv,dtype", [
+    (2, 2, jnp.bfloat16),
+    pytest.param(4, 4, jnp.bfloat16, marks=pytest.mark.skipif(not ON_GPU, reason=(
+        "four launches of the Mosaic interpreter outlast the CPU suite's budget; two run here"))),
+], ids=["2-bf16", "4-bf16"])
+def test_split_launches_give_the_same_bits(launches, hkv, dtype):
+    """Each chain of ordered dQ adds belongs to one (batch, q head), and a launch holds whole
+    chains: the gradients of a split backward are those of one launch, bit for bit. A launch
+    that read or wrote another launch's heads (a wrong head offset) would break this."""
+    spec, args = _split_case(71, 1, 256, 2 * hkv, hkv, 64, dtype)
+    one = jax.jit(lambda *a: mosaic.backward(spec, *a, config=FUSED))(*args)
+    split_cfg = dataclasses.replace(FUSED, fused_launches=launches)
+    fn = lambda *a: mosaic.backward(spec, *a, config=split_cfg)
+    assert _launches_of(fn, *args) == launches
+    split = jax.jit(fn)(*args)
+    for name, a, b in zip(("dq", "dk", "dv"), one, split):
+        assert np.isfinite(np.asarray(a, np.float32)).all()
+        np.testing.assert_array_equal(np.asarray(b), np.asarray(a), err_msg=name)
+
+
+def test_split_holds_one_launch_of_float32():
+    """The point of the split: no kernel launch returns a float32 array larger than its share
+    of dQ (the one-launch kernel returns the whole float32 sum, so the check can fail). D's
+    float32 products are not counted: XLA fuses them into D's reduction."""
+    seq, hq, hkv, d = 2048, 8, 4, 128
+    args = backward_args(1, seq, seq, hq, hkv, d, jnp.bfloat16)
+    spec = make_spec(seq, seq, d, jnp.bfloat16, causal=True, interpret=False)
+    q_size = seq * hq * d
+
+    def largest_f32(cfg):
+        jaxpr = jax.make_jaxpr(lambda *a: mosaic.backward(spec, *a, config=cfg))(*args).jaxpr
+        sizes = [int(np.prod(v.aval.shape)) for eqn in _all_eqns(jaxpr) for v in eqn.outvars
+                 if eqn.primitive.name == "mpmd_map" and v.aval.dtype == jnp.float32]
+        return max(sizes)
+
+    assert largest_f32(FUSED) == q_size
+    assert largest_f32(dataclasses.replace(FUSED, fused_launches=4)) == q_size // 4
+
+
+def test_split_lowers_for_sm90():
+    """dK and dV written in place through refs, and dQ's ref threaded through the launches,
+    lower for sm_90."""
+    seq = 1001
+    q, k, v, _, stats, do, _ = backward_args(2, seq, seq, 4, 2, 128, jnp.bfloat16)
+    spec = make_spec(seq, seq, 128, jnp.bfloat16, causal=True, interpret=False)
+    cfg = dataclasses.replace(FUSED, fused_launches=2)
+    fn = jax.jit(lambda *a: mosaic.backward(spec, *a, config=cfg))
+    text = fn.trace(q, k, v, q, stats, do, stats.m).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert text.count("mosaic_gpu") >= 2
+
+
+@needs_hopper
+def test_split_under_jit_vmap_and_grad(monkeypatch):
+    """The split backward through flash_attention's custom_vjp, under jax.vmap (folded into
+    the batch) and jax.grad, against the reference in float32. The rule's thresholds are
+    lowered so that a small case splits."""
+    monkeypatch.setattr(schedule, "FUSED_SPLIT_BYTES", 0)
+    monkeypatch.setattr(schedule, "FUSED_MIN_WAVES", 0)
+    b, seq, hq, hkv, d, dtype = 2, 128, 4, 2, 64, jnp.bfloat16
+    q, k, v, do = random_inputs(jax.random.PRNGKey(81), b, seq, seq, hq, hkv, d, dtype)
+
+    def grads(fn):
+        def one(q, k, v, do):
+            return jnp.sum(fn(q[None], k[None], v[None]).astype(jnp.float32) * do[None])
+        return jax.vmap(jax.grad(one, argnums=(0, 1, 2)))
+
+    ours = grads(lambda q, k, v: pf.flash_attention(q, k, v, causal=True, backend="mosaic"))
+    names = kernel_names(ours, q, k, v, do)
+    assert fused.FUSED_KERNEL_NAME in names, names
+    assert _launches_of(ours, q, k, v, do) == 3        # the forward and two fused launches
+    got = jax.jit(ours)(q, k, v, do)
+    want = grads(lambda q, k, v: pf.reference_attention(
+        q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), causal=True))(
+        q, k, v, do.astype(jnp.float32))
+    tol = TOLERANCE[jnp.dtype(dtype)]
+    for name, g, w in zip(("dq", "dk", "dv"), got, want):
+        assert_close(name, g, w, tol)
+
+
+@pytest.mark.parametrize("b,seq,hq,hkv,d,want", [
+    (1, 8192, 16, 16, 128, 1),        # a 64 MiB float32 sum: one launch
+    (1, 32768, 16, 16, 128, 4),       # 256 MiB: 8 launches would have 512 CTAs < 4 waves
+    (1, 1 << 20, 16, 16, 128, 8),     # 8 GiB: the most launches
+    (1, 1 << 20, 32, 2, 128, 2),      # GQA: launches divide the kv heads
+    (1, 1 << 20, 8, 1, 128, 1),       # MQA: one kv head, one launch
+    (4, 65536, 16, 4, 64, 4),
+])
+def test_fused_launches_rule(b, seq, hq, hkv, d, want):
+    n_tiles = -(-seq // 128)
+    cfg = MosaicBackwardConfig(fused=True)
+    got = schedule.fused_launches(cfg, b, seq, hq, hkv, d, n_tiles)
+    assert got == want
+    if got > 1:   # each launch keeps the waves the rule promises
+        assert hkv // got * n_tiles * b >= 4 * 132
+
+
+def test_fused_launches_config():
+    assert schedule.fused_launches(MosaicBackwardConfig(fused_launches=2), 1, 128, 4, 4, 64,
+                                   1) == 2
+    with pytest.raises(ValueError, match="fused_launches"):
+        schedule.fused_launches(MosaicBackwardConfig(fused_launches=3), 1, 128, 4, 4, 64, 1)
+    with pytest.raises(ValueError, match="fused_launches"):
+        MosaicBackwardConfig(fused_launches=0)

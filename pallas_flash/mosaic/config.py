@@ -31,6 +31,14 @@ FUSED_CTA_KEYS = 2 * WG_ROWS
 FUSED_BLOCK_Q = WG_ROWS
 FUSED_DS_BUFFERS = 2                # dS^T by step parity: one warpgroup may run a step ahead
 FUSED_REGISTER_POOL = 4 * 128       # 4 warpgroups x 128 registers per thread at launch
+# When the fused backward splits its kv heads over launches (schedule.fused_launches), so that
+# its float32 dQ sum is never whole: only from this size of sum up (below it a step's peak is
+# already dominated by the operands), into at most this many launches, each of at least this
+# many waves of CTAs over an H100 / H200's SMs (fewer waves leave the launch's tail idle).
+FUSED_SPLIT_BYTES = 256 << 20
+FUSED_MAX_LAUNCHES = 8
+FUSED_MIN_WAVES = 4
+HOPPER_SMS = 132
 
 
 def register_budget(warpgroups: int) -> int:
@@ -214,6 +222,9 @@ class MosaicBackwardConfig:
     # kv heads whose key tiles the fused kernel interleaves in its launch order (schedule.py);
     # None: up to four at batch 1 (consecutive CTAs then alternate between chains of dQ adds).
     fused_head_chunk: int | None = None
+    # Launches over which the fused kernel splits the kv heads, each summing dQ for its own q
+    # heads (a smaller float32 sum alive at once); None: schedule.fused_launches.
+    fused_launches: int | None = None
     # kv heads interleaved tile by tile in the two kernels' launch order (schedule.py); None:
     # one head at a time, or FlashAttention-3's L2 sections under a causal bound.
     head_chunk: int | None = None
@@ -234,7 +245,7 @@ class MosaicBackwardConfig:
         if self.dq_compute_wgs not in (1, 2):
             raise ValueError("MosaicBackwardConfig.dq_compute_wgs must be 1 or 2, "
                              f"got {self.dq_compute_wgs}")
-        for name in ("fused_head_chunk", "head_chunk"):
+        for name in ("fused_head_chunk", "head_chunk", "fused_launches"):
             _check_chunk(f"MosaicBackwardConfig.{name}", getattr(self, name))
 
     # ---- geometry ---------------------------------------------------------------------------

@@ -46,7 +46,7 @@ from pallas_flash.mosaic.config import FUSED_DS_BUFFERS as DS_BUFFERS
 from pallas_flash.mosaic.config import WG_ROWS
 from pallas_flash.mosaic.tiles import positions, product, transposed_weights, zeros_acc
 from pallas_flash.mosaic.schedule import (fused_first_tiles, fused_grid, fused_head_chunk,
-                                         fused_position)
+                                         fused_launches, fused_position)
 from pallas_flash.mosaic.schedule import fused_first_tiles as _first_tiles  # noqa: F401
 from pallas_flash.mosaic.schedule import fused_grid as _grid  # noqa: F401
 from pallas_flash.mosaic.schedule import fused_head_chunk as head_chunk  # noqa: F401
@@ -85,7 +85,7 @@ def _fused_body(q_ref, k_ref, v_ref, do_ref, st_ref, dk_ref, dv_ref, dq_ref,
                 k_loaded, v_loaded, q_loaded, do_loaded, st_loaded, slot_free,
                 ds_ready, dq_ready, dq_free, both_done, *interp_smem,
                 spec: AttentionSpec, cfg, group: int, head_dim: int, q_heads: int,
-                n_qblocks: int, chunk: int, batch_size: int):
+                n_qblocks: int, chunk: int, batch_size: int, head0: int):
     mask = spec.mask
     dtype = q_ref.dtype
     stages, slots = cfg.fused_stages, cfg.fused_dq_slots
@@ -93,7 +93,11 @@ def _fused_body(q_ref, k_ref, v_ref, do_ref, st_ref, dk_ref, dv_ref, dq_ref,
     c = logit_scale(spec) * LOG2E
     kv_len = mask.seq_kv if mask.seq_kv % WG_ROWS else None
 
+    # kv_head and q heads count within this launch (`launch_kernel`): they index dq_ref and the
+    # semaphores; K, V, dK, dV, Q, dO and the statistics are indexed from head0 on.
     tile, kv_head, batch, wg = fused_position(mask, chunk, batch_size)
+    kv_global = kv_head + head0 if head0 else kv_head
+    q_offset = head0 * group
     kv_start = tile * CTA_KEYS
 
     # The CTA's q blocks, last first, once per q head of the group. With a position mask tiles
@@ -265,7 +269,7 @@ def _fused_body(q_ref, k_ref, v_ref, do_ref, st_ref, dk_ref, dv_ref, dq_ref,
         with jax.named_scope("store"):
             plgpu.barrier_arrive(both_done)
             plgpu.barrier_wait(both_done)
-            rows = (batch, pl.ds(key0, WG_ROWS), kv_head)
+            rows = (batch, pl.ds(key0, WG_ROWS), kv_global)
             my_k[...] = (dk * spec.scale).astype(dtype)
             my_v[...] = dv.astype(dtype)
             plgpu.commit_smem()
@@ -281,12 +285,14 @@ def _fused_body(q_ref, k_ref, v_ref, do_ref, st_ref, dk_ref, dv_ref, dq_ref,
     def _copy():
         plgpu.set_max_registers(cfg.fused_side_registers(), action="decrease")
         for rt in range(2):
-            rows = (batch, pl.ds(kv_start + rt * WG_ROWS, WG_ROWS), kv_head)
+            rows = (batch, pl.ds(kv_start + rt * WG_ROWS, WG_ROWS), kv_global)
             plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[rt], k_loaded.at[rt])
             plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[rt], v_loaded.at[rt])
 
         def issue(t, slot):
             q_head, j = block_of(t)
+            if q_offset:
+                q_head = q_head + q_offset
             rows = (batch, pl.ds(j * BLOCK_Q, BLOCK_Q), q_head)
             plgpu.copy_gmem_to_smem(q_ref.at[rows], q_smem.at[slot], q_loaded.at[slot])
             plgpu.copy_gmem_to_smem(st_ref.at[batch, q_head, :, pl.ds(j * BLOCK_Q, BLOCK_Q)],
@@ -407,29 +413,62 @@ def _fused(q, k, v, do, rows, *, spec: AttentionSpec, cfg):
         scratch += [plgpu.SMEM((2, WG_ROWS, BLOCK_Q), dtype),
                     plgpu.SMEM((BLOCK_Q, head_dim), jnp.float32),
                     plgpu.Barrier()]
-    kv_shape = jax.ShapeDtypeStruct(k.shape, dtype)
-    chunk = fused_head_chunk(cfg, batch, kv_heads)
-    dk, dv, dq_sum = plgpu.kernel(
-        functools.partial(_fused_body, spec=spec, cfg=cfg, group=group, head_dim=head_dim,
-                          q_heads=q_heads, n_qblocks=n_qblocks, chunk=chunk,
-                          batch_size=batch),
-        out_type=(kv_shape, kv_shape, jax.ShapeDtypeStruct(q.shape, jnp.float32)),
-        scratch_types=scratch,
-        grid=fused_grid(kv_heads, n_tiles, batch, chunk),
-        grid_names=("head", "tile", "batch"),
-        num_threads=4,
-        thread_name="wg",
-        compiler_params=plgpu.CompilerParams(
-            approx_math=True,
-            **profile_params(cfg.fused_profile_dir, 2 * n_qblocks * group + 8)),
-        interpret=plgpu.InterpretGPUParams() if spec.interpret else None,
-        kernel_name=FUSED_KERNEL_NAME,
-    )(q, k, v, do, rows)
-    # q blocks no tile sees were never written: zeroed (static ranges: only where needed).
+    # q blocks no tile sees are never written: zeroed (static ranges: only where needed).
     with jax.ensure_compile_time_eval():
         first, last = fused_first_tiles(mask, n_qblocks)
         seen = np.repeat(np.asarray(last > first), BLOCK_Q)[:seq_q8]
-    if not seen.all():
-        dq_sum = jnp.where(jnp.asarray(seen)[None, :, None, None], dq_sum, 0.0)
-    return dq_sum.astype(dtype), dk, dv
 
+    def finish(dq_sum):
+        if not seen.all():
+            dq_sum = jnp.where(jnp.asarray(seen)[None, :, None, None], dq_sum, 0.0)
+        return dq_sum.astype(dtype)
+
+    def launch_kernel(head0: int, heads: int, split: bool):
+        """The kernel over kv heads [head0, head0 + heads) and their q heads. split: dK and dV
+        are refs written in place (every launch writes its own heads), followed by dQ's ref,
+        which the kernel does not touch: taking it orders each launch after the previous
+        launch's sum has been cast into it, so one float32 sum is alive at a time."""
+        chunk = fused_head_chunk(cfg, batch, heads)
+        body = functools.partial(_fused_body, spec=spec, cfg=cfg, group=group,
+                                 head_dim=head_dim, q_heads=heads * group, n_qblocks=n_qblocks,
+                                 chunk=chunk, batch_size=batch, head0=head0)
+        dq_type = jax.ShapeDtypeStruct((batch, seq_q8, heads * group, head_dim), jnp.float32)
+        if split:
+            def kernel_body(q_ref, k_ref, v_ref, do_ref, st_ref, dk_ref, dv_ref, _dq_state,
+                            dq_ref, *scratch_refs):
+                body(q_ref, k_ref, v_ref, do_ref, st_ref, dk_ref, dv_ref, dq_ref,
+                     *scratch_refs)
+            out_type = dq_type
+        else:
+            kernel_body = body
+            kv_shape = jax.ShapeDtypeStruct(k.shape, dtype)
+            out_type = (kv_shape, kv_shape, dq_type)
+        return plgpu.kernel(
+            kernel_body,
+            out_type=out_type,
+            scratch_types=scratch,
+            grid=fused_grid(heads, n_tiles, batch, chunk),
+            grid_names=("head", "tile", "batch"),
+            num_threads=4,
+            thread_name="wg",
+            compiler_params=plgpu.CompilerParams(
+                approx_math=True,
+                **profile_params(cfg.fused_profile_dir, 2 * n_qblocks * group + 8)),
+            interpret=plgpu.InterpretGPUParams() if spec.interpret else None,
+            kernel_name=FUSED_KERNEL_NAME,
+        )
+
+    launches = fused_launches(cfg, batch, mask.seq_q, q_heads, kv_heads, head_dim, n_tiles)
+    if launches == 1:
+        dk, dv, dq_sum = launch_kernel(0, kv_heads, split=False)(q, k, v, do, rows)
+        return finish(dq_sum), dk, dv
+    heads = kv_heads // launches
+    dk_ref = jax.new_ref(jnp.zeros(k.shape, dtype))
+    dv_ref = jax.new_ref(jnp.zeros(v.shape, dtype))
+    dq_ref = jax.new_ref(jnp.zeros(q.shape, dtype))
+    for n in range(launches):
+        # Each launch's q heads are one contiguous range: q head = kv head x group + h.
+        dq_sum = launch_kernel(n * heads, heads, split=True)(q, k, v, do, rows, dk_ref,
+                                                             dv_ref, dq_ref)
+        dq_ref[:, :, n * heads * group:(n + 1) * heads * group] = finish(dq_sum)
+    return dq_ref[...], dk_ref[...], dv_ref[...]

@@ -21,7 +21,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_flash.mosaic.config import FUSED_BLOCK_Q, FUSED_CTA_KEYS
+from pallas_flash.mosaic.config import (FUSED_BLOCK_Q, FUSED_CTA_KEYS, FUSED_MAX_LAUNCHES,
+                                        FUSED_MIN_WAVES, FUSED_SPLIT_BYTES, HOPPER_SMS)
 
 CLUSTER_AXIS = "pair"   # the CTAs of a cluster along the tile axis (forward, config.cluster)
 # Streamed bytes that one L2 section of heads may share (FlashAttention-3's tile scheduler:
@@ -196,6 +197,26 @@ def fused_head_chunk(cfg, batch: int, kv_heads: int) -> int:
         raise ValueError(f"MosaicBackwardConfig.fused_head_chunk={chunk} must divide the "
                          f"number of kv heads, {kv_heads}")
     return chunk
+
+
+def fused_launches(cfg, batch: int, seq_q: int, q_heads: int, kv_heads: int, head_dim: int,
+                   n_tiles: int) -> int:
+    """Launches over which the fused backward splits its kv heads: the config's
+    `fused_launches`, else 1 while the float32 dQ sum (batch x seq_q x q_heads x head_dim) is
+    under FUSED_SPLIT_BYTES, and from there the most launches, up to FUSED_MAX_LAUNCHES and
+    dividing the kv heads, that keep FUSED_MIN_WAVES waves of CTAs in each. A launch's sum is
+    cast into dQ before the next launch starts, so the float32 alive is 1 / launches of it."""
+    launches = cfg.fused_launches
+    if launches is not None:
+        if kv_heads % launches:
+            raise ValueError(f"MosaicBackwardConfig.fused_launches={launches} must divide the "
+                             f"number of kv heads, {kv_heads}")
+        return launches
+    if batch * seq_q * q_heads * head_dim * 4 < FUSED_SPLIT_BYTES:
+        return 1
+    min_ctas = FUSED_MIN_WAVES * HOPPER_SMS
+    return max(n for n in range(1, FUSED_MAX_LAUNCHES + 1)
+               if kv_heads % n == 0 and (n == 1 or kv_heads // n * n_tiles * batch >= min_ctas))
 
 
 def fused_grid(kv_heads: int, n_tiles: int, batch: int, chunk: int):
