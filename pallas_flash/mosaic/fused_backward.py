@@ -85,7 +85,7 @@ def _fused_body(q_ref, k_ref, v_ref, do_ref, st_ref, dk_ref, dv_ref, dq_ref,
                 k_loaded, v_loaded, q_loaded, do_loaded, st_loaded, slot_free,
                 ds_ready, dq_ready, dq_free, both_done, *interp_smem,
                 spec: AttentionSpec, cfg, group: int, head_dim: int, q_heads: int,
-                n_qblocks: int, chunk: int, batch_size: int, head0: int):
+                n_qblocks: int, chunk: int, batch_size: int, head0_ref=None):
     mask = spec.mask
     dtype = q_ref.dtype
     stages, slots = cfg.fused_stages, cfg.fused_dq_slots
@@ -93,11 +93,12 @@ def _fused_body(q_ref, k_ref, v_ref, do_ref, st_ref, dk_ref, dv_ref, dq_ref,
     c = logit_scale(spec) * LOG2E
     kv_len = mask.seq_kv if mask.seq_kv % WG_ROWS else None
 
-    # kv_head and q heads count within this launch (`launch_kernel`): they index dq_ref and the
-    # semaphores; K, V, dK, dV, Q, dO and the statistics are indexed from head0 on.
+    # kv_head and q heads count within this launch (`_fused`): they index dq_ref and the
+    # semaphores; K, V, dK, dV, Q, dO and the statistics are indexed from the launch's first kv
+    # head on, read from head0_ref (data, so that every launch runs one compiled kernel).
     tile, kv_head, batch, wg = fused_position(mask, chunk, batch_size)
-    kv_global = kv_head + head0 if head0 else kv_head
-    q_offset = head0 * group
+    head0 = None if head0_ref is None else head0_ref[0]
+    kv_global = kv_head if head0 is None else kv_head + head0
     kv_start = tile * CTA_KEYS
 
     # The CTA's q blocks, last first, once per q head of the group. With a position mask tiles
@@ -291,8 +292,8 @@ def _fused_body(q_ref, k_ref, v_ref, do_ref, st_ref, dk_ref, dv_ref, dq_ref,
 
         def issue(t, slot):
             q_head, j = block_of(t)
-            if q_offset:
-                q_head = q_head + q_offset
+            if head0 is not None:
+                q_head = q_head + head0 * group
             rows = (batch, pl.ds(j * BLOCK_Q, BLOCK_Q), q_head)
             plgpu.copy_gmem_to_smem(q_ref.at[rows], q_smem.at[slot], q_loaded.at[slot])
             plgpu.copy_gmem_to_smem(st_ref.at[batch, q_head, :, pl.ds(j * BLOCK_Q, BLOCK_Q)],
@@ -423,21 +424,22 @@ def _fused(q, k, v, do, rows, *, spec: AttentionSpec, cfg):
             dq_sum = jnp.where(jnp.asarray(seen)[None, :, None, None], dq_sum, 0.0)
         return dq_sum.astype(dtype)
 
-    def launch_kernel(head0: int, heads: int, split: bool):
-        """The kernel over kv heads [head0, head0 + heads) and their q heads. split: dK and dV
-        are refs written in place (every launch writes its own heads), followed by dQ's ref,
-        which the kernel does not touch: taking it orders each launch after the previous
-        launch's sum has been cast into it, so one float32 sum is alive at a time."""
+    def launch_kernel(heads: int, split: bool):
+        """The kernel over `heads` kv heads and their q heads. split: it takes the index of its
+        first kv head as an int32 [1] array, then dK and dV as refs written in place (every
+        launch writes its own heads), then dQ's ref, which it does not touch: taking it orders
+        each launch after the previous launch's sum has been cast into it, so that one float32
+        sum is alive at a time."""
         chunk = fused_head_chunk(cfg, batch, heads)
         body = functools.partial(_fused_body, spec=spec, cfg=cfg, group=group,
                                  head_dim=head_dim, q_heads=heads * group, n_qblocks=n_qblocks,
-                                 chunk=chunk, batch_size=batch, head0=head0)
+                                 chunk=chunk, batch_size=batch)
         dq_type = jax.ShapeDtypeStruct((batch, seq_q8, heads * group, head_dim), jnp.float32)
         if split:
-            def kernel_body(q_ref, k_ref, v_ref, do_ref, st_ref, dk_ref, dv_ref, _dq_state,
-                            dq_ref, *scratch_refs):
+            def kernel_body(q_ref, k_ref, v_ref, do_ref, st_ref, head0_ref, dk_ref, dv_ref,
+                            _dq_state, dq_ref, *scratch_refs):
                 body(q_ref, k_ref, v_ref, do_ref, st_ref, dk_ref, dv_ref, dq_ref,
-                     *scratch_refs)
+                     *scratch_refs, head0_ref=head0_ref)
             out_type = dq_type
         else:
             kernel_body = body
@@ -460,15 +462,18 @@ def _fused(q, k, v, do, rows, *, spec: AttentionSpec, cfg):
 
     launches = fused_launches(cfg, batch, mask.seq_q, q_heads, kv_heads, head_dim, n_tiles)
     if launches == 1:
-        dk, dv, dq_sum = launch_kernel(0, kv_heads, split=False)(q, k, v, do, rows)
+        dk, dv, dq_sum = launch_kernel(kv_heads, split=False)(q, k, v, do, rows)
         return finish(dq_sum), dk, dv
     heads = kv_heads // launches
+    # One jitted launch called `launches` times: lowered (Mosaic GPU's layout inference, seconds
+    # per kernel) once, not once per launch.
+    launch = jax.jit(launch_kernel(heads, split=True))
     dk_ref = jax.new_ref(jnp.zeros(k.shape, dtype))
     dv_ref = jax.new_ref(jnp.zeros(v.shape, dtype))
     dq_ref = jax.new_ref(jnp.zeros(q.shape, dtype))
     for n in range(launches):
         # Each launch's q heads are one contiguous range: q head = kv head x group + h.
-        dq_sum = launch_kernel(n * heads, heads, split=True)(q, k, v, do, rows, dk_ref,
-                                                             dv_ref, dq_ref)
+        head0 = jnp.full((1,), n * heads, jnp.int32)
+        dq_sum = launch(q, k, v, do, rows, head0, dk_ref, dv_ref, dq_ref)
         dq_ref[:, :, n * heads * group:(n + 1) * heads * group] = finish(dq_sum)
     return dq_ref[...], dk_ref[...], dv_ref[...]
