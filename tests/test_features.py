@@ -306,6 +306,11 @@ CASES = [
          expect="fused"),
     case("fused", "full-partial-gqa-d64", (1, 136, 200, 4, 2, 64), BF16, BACKWARD,
          expect="fused"),
+    # float16: dS cast twice, per key for dK and per query for dQ (fused_backward.py).
+    case("fused", "causal-gqa-f16", (1, 256, 256, 4, 2, 128), F16, BACKWARD, causal=True,
+         expect="fused", interpret=False),
+    case("fused", "window-softcap-d64-f16", (1, 200, 250, 4, 2, 64), F16, BACKWARD,
+         window=(70, 90), softcap=2.5, expect="fused"),
 
     # Head_dim 256 with the dK/dV warpgroups paired (one forms P^T, the other dS^T).
     *[case("paired", name, shape, dtype, BACKWARD, expect="paired", bwd={"paired": B(

@@ -27,10 +27,9 @@ pytestmark = pytest.mark.skipif(ON_GPU and not IS_HOPPER,
 
 @pytest.mark.parametrize("dtype,causal,sinks,kernels", [
     (jnp.bfloat16, True, False, (mosaic_forward.KERNEL_NAME, fused_backward.FUSED_KERNEL_NAME)),
-    (jnp.float16, False, False, (mosaic_forward.KERNEL_NAME, mosaic_backward.DKDV_KERNEL_NAME,
-                                 mosaic_backward.DQ_KERNEL_NAME)),
+    (jnp.float16, False, False, (mosaic_forward.KERNEL_NAME, fused_backward.FUSED_KERNEL_NAME)),
     (jnp.bfloat16, True, True, (mosaic_forward.KERNEL_NAME, fused_backward.FUSED_KERNEL_NAME)),
-], ids=["bf16-causal-fused", "f16-two-kernel", "bf16-causal-sinks"])
+], ids=["bf16-causal-fused", "f16-fused", "bf16-causal-sinks"])
 def test_training_step_lowers_for_sm90(monkeypatch, dtype, causal, sinks, kernels):
     """flash_attention's forward and backward under jax.vjp, as a jitted training step stages
     them, lower for the cuda platform with every kernel in the module."""

@@ -6,6 +6,8 @@ order. Here: float16's range in dS, the kernels' names, the Python half of the s
 accumulation, the shared-memory limit), and what the kernels refuse.
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -15,7 +17,8 @@ from backends import IS_HOPPER, ON_GPU
 from helpers import (TOLERANCE, assert_close, backward_args, kernel_names, make_spec,
                      random_inputs, reference_grads)
 from pallas_flash.mosaic import backward as mosaic
-from pallas_flash.mosaic.config import MosaicBackwardConfig
+from pallas_flash.mosaic import fused_backward
+from pallas_flash.mosaic.config import MosaicBackwardConfig, default_backward_config
 from pallas_flash.triton import backward as triton_backward
 from pallas_flash.triton import forward as triton_forward
 
@@ -24,12 +27,8 @@ PAIRED = Config(dkdv_block_q=64, dq_block_kv=64, dq_compute_wgs=1, dkdv_paired=T
 needs_hopper = pytest.mark.skipif(ON_GPU and not IS_HOPPER, reason="Mosaic GPU kernel needs sm_90")
 
 
-@needs_hopper
-def test_float16_ds_does_not_overflow():
-    # v at the top of float16's range and a unit cotangent: |dP| = |dO . v| reaches ~1e5-1e6, so
-    # dS cast to float16 unscaled would be inf and would spread inf / NaN over whole rows of dq
-    # and dk. Some exact gradients do exceed 65504 themselves; the check covers the ones that
-    # fit (with a margin): finite there, and equal to the reference at the float16 tolerance.
+def _f16_overflow_case():
+    """Operands whose dS passes float16's range (v at its top, a unit cotangent)."""
     b, s, h, d = 1, 128, 1, 64
     f16_max = 65504.0
     q, k, _, do = random_inputs(jax.random.PRNGKey(93), b, s, s, h, h, d, jnp.float16)
@@ -40,7 +39,22 @@ def test_float16_ds_does_not_overflow():
     dlse = jax.random.normal(jax.random.PRNGKey(96), (b, h, s), jnp.float32)
     spec = make_spec(s, s, d, jnp.float16, causal=True)
     out, stats = triton_forward.forward(spec, q, k, v)
-    grads = mosaic.backward(spec, q, k, v, out, stats, do, dlse)
+    return spec, (q, k, v, out, stats, do, dlse)
+
+
+@needs_hopper
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "two-kernel"])
+def test_float16_ds_does_not_overflow(fused):
+    # v at the top of float16's range and a unit cotangent: |dP| = |dO . v| reaches ~1e5-1e6, so
+    # dS cast to float16 unscaled would be inf and would spread inf / NaN over whole rows of dq
+    # and dk. Some exact gradients do exceed 65504 themselves; the check covers the ones that
+    # fit (with a margin): finite there, and equal to the reference at the float16 tolerance.
+    f16_max = 65504.0
+    spec, args = _f16_overflow_case()
+    q, k, v, out, stats, do, dlse = args
+    cfg = dataclasses.replace(default_backward_config(64), fused=fused)
+    assert mosaic.uses_fused(spec, q, k, cfg) is fused
+    grads = mosaic.backward(spec, *args, config=cfg)
     tri = triton_backward.backward(spec, q, k, v, out, stats, do, dlse)
     ref = reference_grads(q, k, v, do, dlse, causal=True)
     tol = TOLERANCE[jnp.dtype(jnp.float16)]
@@ -56,11 +70,25 @@ def test_float16_ds_does_not_overflow():
     assert n_over > 0  # the premise: the scale of this test reaches float16's limit
 
 
+@needs_hopper
+def test_fused_float16_needs_its_dq_factors(monkeypatch):
+    """The premise of the fused kernel's per-query dQ factors: with them all 1, dQ's cast of dS
+    overflows on the operands above and dq is no longer finite (dk and dv keep their own
+    per-key scaling and stay finite)."""
+    monkeypatch.setattr(fused_backward, "dq_cast_scales",
+                        lambda v, do, delta, group: jnp.ones(delta.shape, jnp.float32))
+    spec, args = _f16_overflow_case()
+    dq, dk, dv = mosaic.backward(spec, *args, config=default_backward_config(64))
+    assert not np.isfinite(np.asarray(dq, np.float32)).all()
+    assert np.isfinite(np.asarray(dv, np.float32)).all()
+
+
 def test_staged_kernels_carry_their_names():
-    # float16: the two-kernel backward (bfloat16 at head_dim 64 and 128 runs the fused kernel).
+    # A config without the fused kernel: the two-kernel backward.
     args = backward_args(1, 128, 128, 2, 1, 64, jnp.float16)
     spec = make_spec(128, 128, 64, jnp.float16, causal=True, interpret=False)
-    names = kernel_names(lambda *a: mosaic.backward(spec, *a), *args)
+    cfg = dataclasses.replace(default_backward_config(64), fused=False)
+    names = kernel_names(lambda *a: mosaic.backward(spec, *a, config=cfg), *args)
     assert names == {mosaic.DKDV_KERNEL_NAME, mosaic.DQ_KERNEL_NAME}, names
     assert mosaic.DKDV_KERNEL_NAME == "pallas_flash_mosaic_bwd_dkdv"
     assert mosaic.DQ_KERNEL_NAME == "pallas_flash_mosaic_bwd_dq"

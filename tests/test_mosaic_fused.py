@@ -31,7 +31,8 @@ needs_hopper = pytest.mark.skipif(ON_GPU and not IS_HOPPER, reason="Mosaic GPU k
 @pytest.mark.parametrize("d,dtype,options,served", [
     (128, jnp.bfloat16, {}, True),
     (64, jnp.bfloat16, {}, True),
-    (128, jnp.float16, {}, False),
+    (128, jnp.float16, {}, True),
+    (128, jnp.float32, {}, False),
     (256, jnp.bfloat16, {}, False),
     (128, jnp.bfloat16, dict(has_segments=True), False),
 ])
@@ -62,18 +63,24 @@ def test_shared_memory_is_checked():
     assert "fused kernel" in mosaic.unsupported_reason(spec, q, k, v, two)
 
 
-@pytest.mark.parametrize("b,d,causal,options", [
-    (2, 128, True, {}), (2, 128, False, dict(window=(100, 50), softcap=30.0)),
-    (2, 64, True, {}), (2, 64, False, dict(window=(100, 50), softcap=30.0)),
-    (1, 128, True, {})],
-    ids=["causal", "window-softcap", "causal-d64", "window-softcap-d64", "causal-b1-chunk"])
-def test_lowers_for_sm90(b, d, causal, options):
+@pytest.mark.parametrize("b,d,causal,options,dtype", [
+    (2, 128, True, {}, jnp.bfloat16), (2, 128, False, dict(window=(100, 50), softcap=30.0),
+                                       jnp.bfloat16),
+    (2, 64, True, {}, jnp.bfloat16), (2, 64, False, dict(window=(100, 50), softcap=30.0),
+                                      jnp.bfloat16),
+    (1, 128, True, {}, jnp.bfloat16),
+    (2, 128, True, {}, jnp.float16), (2, 64, False, dict(window=(100, 50), softcap=30.0),
+                                      jnp.float16)],
+    ids=["causal", "window-softcap", "causal-d64", "window-softcap-d64", "causal-b1-chunk",
+         "causal-f16", "window-softcap-d64-f16"])
+def test_lowers_for_sm90(b, d, causal, options, dtype):
     """The compiled kernel, semaphores and the writer's TMA reduce-add and early slot release
     included (the interpreter runs none of them), lowers for sm_90; at batch 1 with two heads
     interleaved (`schedule.fused_head_chunk`)."""
     seq = 1001
-    q, k, v, _, stats, do, _ = backward_args(b, seq, seq, 4, 2, d, jnp.bfloat16)
-    spec = make_spec(seq, seq, d, jnp.bfloat16, causal=causal, interpret=False, **options)
+    q, k, v, _, stats, do, _ = backward_args(b, seq, seq, 4, 2, d, dtype)
+    spec = make_spec(seq, seq, d, dtype, causal=causal, interpret=False, **options)
+    assert mosaic.uses_fused(spec, q, k, FUSED)
     fn = jax.jit(lambda *a: mosaic.backward(spec, *a, config=FUSED))
     text = fn.trace(q, k, v, q, stats, do, stats.m).lower(
         lowering_platforms=("cuda",)).as_text()

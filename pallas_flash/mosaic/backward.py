@@ -22,8 +22,8 @@ Each CTA also has a copy warpgroup streaming through `stages` slots with "loaded
 barriers, and warpgroups drain the blocks outside their own range, as in the forward. The
 loop bounds are MaskSpec's (q_blocks for dK/dV, kv_blocks for dQ), narrowed by segment ids.
 Rows past seq_q have (m, r, D) = (0, +inf, 0), hence P = 0 with no mask; keys past seq_kv are
-masked. float16 dS is scaled per row before its cast (`_cast_rows`). Interpret mode stages the
-register operands (P^T, dS^T, dS) through shared memory.
+masked. float16 dS is scaled per row before its cast (`tiles.cast_rows`). Interpret mode
+stages the register operands (P^T, dS^T, dS) through shared memory.
 """
 
 from __future__ import annotations
@@ -44,8 +44,9 @@ from pallas_flash.mosaic.common import (clamp_range, logit_units, narrowed, pad_
                                        unsupported_operands)
 from pallas_flash.mosaic.config import (SMEM_LIMIT, WG_ROWS, MosaicBackwardConfig,
                                        default_backward_config)
-from pallas_flash.mosaic.tiles import (accumulate, bcast_cols, bcast_rows, idiv, matmul,
-                                      positions, product, row_vector, transposed_probabilities,
+from pallas_flash.mosaic.tiles import (accumulate, bcast_cols, bcast_rows, cast_rows, idiv,
+                                      matmul, positions, product, row_vector,
+                                      transposed_probabilities,
                                       transposed_score_grads, transposed_weights, zeros_acc)
 from pallas_flash.mosaic.schedule import TileGrid, backward_orders, grid_position
 from pallas_flash.mosaic.schedule import backward_orders as _launch_orders  # noqa: F401
@@ -57,7 +58,6 @@ __all__ = ["DKDV_KERNEL_NAME", "DQ_KERNEL_NAME", "MosaicBackwardConfig",
 
 DKDV_KERNEL_NAME = "pallas_flash_mosaic_bwd_dkdv"
 DQ_KERNEL_NAME = "pallas_flash_mosaic_bwd_dq"
-F16_CAST_LIMIT = 2.0 ** 14       # |dS| above this is scaled down before the float16 cast
 
 
 def unsupported_reason(spec: AttentionSpec, q, k, v,
@@ -69,7 +69,8 @@ def unsupported_reason(spec: AttentionSpec, q, k, v,
     head_dim, head_dim_v = q.shape[-1], v.shape[-1]
     cfg = config or default_backward_config(head_dim)
     if uses_fused(spec, q, k, cfg, head_dim_v):
-        kernels = (("fused", cfg.fused_smem_bytes(head_dim)),)
+        kernels = (("fused", cfg.fused_smem_bytes(
+            head_dim, stat_rows=fused_backward.stat_rows(q.dtype))),)
     else:
         kernels = (("dK/dV", cfg.dkdv_smem_bytes(head_dim, head_dim_v=head_dim_v)),
                    ("dQ", cfg.dq_smem_bytes(head_dim, head_dim_v=head_dim_v)))
@@ -94,22 +95,6 @@ def _lcm(a: int, b: int) -> int:
 
 
 # ---- helpers used inside the kernels ------------------------------------------------------------
-
-def _cast_rows(x, scale, dtype):
-    """x cast to dtype; for float16 with a per-row running scale guarding against overflow.
-
-    Returns (x_cast, rescale, scale_new): the accumulator must be multiplied by `rescale`
-    (per row) before the new product is added; None / unchanged outside float16.
-    """
-    if jnp.dtype(dtype) != jnp.float16:
-        return x.astype(dtype), None, scale
-    amax = jnp.max(jnp.abs(x), axis=1)
-    want = jnp.where((amax > F16_CAST_LIMIT) & (amax < jnp.inf), amax * (1.0 / F16_CAST_LIMIT),
-                     1.0)
-    scale_new = jnp.maximum(scale, want)
-    x = x * bcast_rows(1.0 / scale_new, x.shape)
-    return x.astype(dtype), scale / scale_new, scale_new
-
 
 def _same_segment(row_ids, col_ids, shape):
     return bcast_rows(row_ids, shape) == bcast_cols(col_ids, shape)
@@ -219,7 +204,7 @@ def _dkdv_body(q_ref, k_ref, v_ref, do_ref, st_ref, q_ids_ref, kv_ids_ref, cta_s
             plgpu.barrier_arrive(pt_free)
             ds_t = transposed_score_grads(p_t, dp_t, st, None,
                                           None if visible_fn is None else visible_fn())
-            ds_in, rescale, fk = _cast_rows(ds_t, fk, dtype)
+            ds_in, rescale, fk = cast_rows(ds_t, fk, dtype)
             plgpu.barrier_wait(ds_free)
             ds_smem[...] = ds_in
             if rescale is not None:
@@ -267,7 +252,7 @@ def _dkdv_body(q_ref, k_ref, v_ref, do_ref, st_ref, q_ids_ref, kv_ids_ref, cta_s
                 visible_fn=visible_fn if masked else None)
             dv = product(dv, p_t.astype(dtype), do_blk.at[do_cols],
                           interpret=spec.interpret, stage_ref=stage)
-            ds_in, rescale, fk = _cast_rows(ds_t, fk, dtype)
+            ds_in, rescale, fk = cast_rows(ds_t, fk, dtype)
             if rescale is not None:
                 dk = dk * bcast_rows(rescale, dk.shape)
             dk = product(dk, ds_in, q_blk.at[q_cols], interpret=spec.interpret,
@@ -436,7 +421,7 @@ def _dq_body(q_ref, k_ref, v_ref, do_ref, st_ref, q_ids_ref, kv_ids_ref, cta_seg
                 ds = ds * (1.0 - t * t)  # softcap chain rule
             if visible is not None:
                 ds = jnp.where(visible, ds, 0.0)
-            ds_in, rescale, fq = _cast_rows(ds, fq, dtype)
+            ds_in, rescale, fq = cast_rows(ds, fq, dtype)
             if rescale is not None:
                 dq = dq * bcast_rows(rescale, dq.shape)
             dq = product(dq, ds_in, k_smem.at[slot], interpret=spec.interpret, stage_ref=stage)

@@ -296,10 +296,11 @@ class MosaicBackwardConfig:
         stream = self.dq_stages * self.dq_block_kv * both * itemsize
         return own + stream + SMEM_RESERVED
 
-    def fused_smem_bytes(self, head_dim: int, itemsize: int = 2) -> int:
+    def fused_smem_bytes(self, head_dim: int, itemsize: int = 2, stat_rows: int = 3) -> int:
+        """stat_rows: statistics streamed per query (fused_backward.stat_rows)."""
         kv = 2 * FUSED_CTA_KEYS * head_dim * itemsize
         stream = self.fused_stages * (2 * FUSED_BLOCK_Q * head_dim * itemsize
-                                      + 3 * FUSED_BLOCK_Q * 4)
+                                      + stat_rows * FUSED_BLOCK_Q * 4)
         ds = FUSED_DS_BUFFERS * FUSED_CTA_KEYS * FUSED_BLOCK_Q * itemsize
         dq = self.fused_dq_slots * FUSED_BLOCK_Q * head_dim * 4
         return kv + stream + ds + dq + SMEM_RESERVED

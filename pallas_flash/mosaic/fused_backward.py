@@ -22,10 +22,16 @@ t - first(j) adds. A tile waits only on lower tiles, which launch first, so the 
 deadlock. Tiles walk their q blocks last first: under a causal mask every tile then starts on
 blocks all tiles see, one step behind the tile below.
 
-Serves bfloat16, head_dim 64 / 128, no segment ids (`unsupported_reason`): float16 needs
-backward.py's per-row dS rescale, segment ids make the contributing tiles data-dependent, and
-head_dim 256 does not fit shared memory. Interpret mode has no semaphores and no reduce-add; it
-runs CTAs in index order, so its writer reads the previous sum, adds and stores.
+float16: dS (up to |dO| |V| + |D|) can pass float16's range, so it is cast twice, each time
+scaled. For dK (rows: keys) the running per-key scale of the two-kernel path
+(`tiles.cast_rows`). For dQ's product, which sums over the 128 keys of both warpgroups, a
+per-query factor that both know without an exchange: a bound on |dS| over every key
+(`dq_cast_scales`), streamed as a fourth statistic and undone on the float32 dQ sum.
+
+Serves bfloat16 and float16, head_dim 64 / 128, no segment ids (`unsupported_reason`): segment
+ids make the contributing tiles data-dependent, and head_dim 256 does not fit shared memory.
+Interpret mode has no semaphores and no reduce-add; it runs CTAs in index order, so its writer
+reads the previous sum, adds and stores.
 """
 
 from __future__ import annotations
@@ -39,12 +45,15 @@ from jax import custom_batching, lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_flash.mosaic.common import clamp_range, profile_params, stream_through_slots
+from pallas_flash.mosaic.common import (clamp_range, pad_seq, profile_params,
+                                       stream_through_slots)
 from pallas_flash.mosaic.config import FUSED_BLOCK_Q as BLOCK_Q
 from pallas_flash.mosaic.config import FUSED_CTA_KEYS as CTA_KEYS
 from pallas_flash.mosaic.config import FUSED_DS_BUFFERS as DS_BUFFERS
 from pallas_flash.mosaic.config import WG_ROWS
-from pallas_flash.mosaic.tiles import positions, product, transposed_weights, zeros_acc
+from pallas_flash.mosaic.tiles import (F16_CAST_LIMIT, bcast_cols, bcast_rows, cast_rows,
+                                      positions, product, row_vector, transposed_weights,
+                                      zeros_acc)
 from pallas_flash.mosaic.schedule import (fused_first_tiles, fused_grid, fused_head_chunk,
                                          fused_launches, fused_position)
 from pallas_flash.mosaic.schedule import fused_first_tiles as _first_tiles  # noqa: F401
@@ -53,10 +62,33 @@ from pallas_flash.mosaic.schedule import fused_head_chunk as head_chunk  # noqa:
 from pallas_flash.spec import AttentionSpec
 from pallas_flash.stats import LOG2E, logit_scale
 
-__all__ = ["FUSED_KERNEL_NAME", "fused_backward", "head_chunk", "unsupported_reason"]
+__all__ = ["FUSED_KERNEL_NAME", "dq_cast_scales", "fused_backward", "head_chunk", "stat_rows",
+           "unsupported_reason"]
 
 FUSED_KERNEL_NAME = "pallas_flash_mosaic_bwd_fused"
 HEAD_DIMS = (64, 128)
+DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+def stat_rows(dtype) -> int:
+    """Rows of statistics streamed per query: m, r, D, and for float16 dQ's cast factor."""
+    return 4 if jnp.dtype(dtype) == jnp.float16 else 3
+
+
+def dq_cast_scales(v, do, delta, group: int):
+    """Per query, float32 [b, hq, seq_q]: the factor s >= 1 by which the fused kernel divides
+    dS before its float16 cast for dQ's product (and multiplies the float32 dQ sum after).
+
+    |dS_ij| = P_ij |dP_ij - D_i| (times 1 - t^2 <= 1 with a softcap) <= |dO_i| max_j |V_j|
+    + |D_i|, by Cauchy-Schwarz with P <= 1: a bound over every key, so the tiles and both
+    warpgroups of a CTA scale query i alike. s = 1 wherever the bound is within F16_CAST_LIMIT
+    (or not finite: the values are then passed on unscaled, as the two-kernel path does).
+    """
+    norm = lambda x: jnp.sqrt(jnp.sum(jnp.square(x.astype(jnp.float32)), axis=-1))
+    v_max = jnp.repeat(jnp.max(norm(v), axis=1), group, axis=1)     # [b, hq]
+    bound = jnp.swapaxes(norm(do), 1, 2) * v_max[:, :, None] + jnp.abs(delta)
+    return jnp.where((bound > F16_CAST_LIMIT) & (bound < jnp.inf),
+                     bound * (1.0 / F16_CAST_LIMIT), 1.0)
 
 
 def alternates(head_dim: int) -> bool:
@@ -72,8 +104,9 @@ def unsupported_reason(spec: AttentionSpec, q, k, cfg) -> str | None:
     head_dim = q.shape[-1]
     if spec.has_segments:
         return "segment ids (the tiles that see a q block are data-dependent)"
-    if jnp.dtype(q.dtype) != jnp.dtype(jnp.bfloat16):
-        return f"dtype {jnp.dtype(q.dtype).name} (the fused kernel takes bfloat16)"
+    if jnp.dtype(q.dtype) not in DTYPES:
+        return (f"dtype {jnp.dtype(q.dtype).name} (the fused kernel takes bfloat16 and "
+                "float16)")
     if head_dim not in HEAD_DIMS:
         return f"head_dim {head_dim} (the fused kernel takes {HEAD_DIMS})"
     del k
@@ -90,6 +123,7 @@ def _fused_body(q_ref, k_ref, v_ref, do_ref, st_ref, dk_ref, dv_ref, dq_ref,
     dtype = q_ref.dtype
     stages, slots = cfg.fused_stages, cfg.fused_dq_slots
     by_turns = alternates(head_dim)
+    f16 = jnp.dtype(dtype) == jnp.float16
     c = logit_scale(spec) * LOG2E
     kv_len = mask.seq_kv if mask.seq_kv % WG_ROWS else None
 
@@ -190,7 +224,7 @@ def _fused_body(q_ref, k_ref, v_ref, do_ref, st_ref, dk_ref, dv_ref, dq_ref,
             plgpu.barrier_arrive(dq_ready.at[dslot])
 
         def step(h, i, carry, masked: bool):
-            dk, dv = carry
+            dk, dv, *fk = carry
             t = step_of(h, i)
             slot = lax.rem(t, jnp.int32(stages))
             q_blk, do_blk, st = q_smem.at[slot], do_smem.at[slot], st_smem.at[slot]
@@ -208,11 +242,19 @@ def _fused_body(q_ref, k_ref, v_ref, do_ref, st_ref, dk_ref, dv_ref, dq_ref,
                 visible_fn=visible_fn if masked else None)
             dv = product(dv, p_t.astype(dtype), do_blk, interpret=spec.interpret,
                          stage_ref=stage)
-            ds_t = ds_t.astype(dtype)
-            dk = product(dk, ds_t, q_blk, interpret=spec.interpret, stage_ref=stage)
+            if f16:
+                # Two scaled casts (module docstring): per key for dK, per query for dQ.
+                inv_s = plgpu.load(st.at[3])
+                ds_k, rescale, fk_new = cast_rows(ds_t, fk[0], dtype)
+                dk = dk * bcast_rows(rescale, dk.shape)
+                fk = [fk_new]
+                ds_t = (ds_t * bcast_cols(inv_s, shape)).astype(dtype)
+            else:
+                ds_t = ds_k = ds_t.astype(dtype)
+            dk = product(dk, ds_k, q_blk, interpret=spec.interpret, stage_ref=stage)
             plgpu.barrier_arrive(slot_free.at[slot])  # Q, dO, stats of this step are read
             exchange(t, ds_t)
-            return dk, dv
+            return (dk, dv, *fk)
 
         def drain(h, i):
             # A block only the other warpgroup sees: the exchange still needs a (zero) half.
@@ -248,9 +290,11 @@ def _fused_body(q_ref, k_ref, v_ref, do_ref, st_ref, dk_ref, dv_ref, dq_ref,
             return carry
 
         carry = (zeros_acc(WG_ROWS, head_dim), zeros_acc(WG_ROWS, head_dim))
+        if f16:
+            carry += (row_vector(1.0, WG_ROWS),)   # dK's running per-key scale
         with jax.named_scope("steps"):
             if group > 1 and not block_major:
-                dk, dv = lax.fori_loop(0, group, head_loop, carry)
+                dk, dv, *fk = lax.fori_loop(0, group, head_loop, carry)
             else:
                 downward(hi, cta_hi, heads(drained), None)
                 carry = downward(full_hi, hi, heads(lambda h, i, cr: step(h, i, cr, True)),
@@ -260,7 +304,7 @@ def _fused_body(q_ref, k_ref, v_ref, do_ref, st_ref, dk_ref, dv_ref, dq_ref,
                 carry = downward(lo, full_lo, heads(lambda h, i, cr: step(h, i, cr, True)),
                                  carry)
                 downward(cta_lo, lo, heads(drained), None)
-                dk, dv = carry
+                dk, dv, *fk = carry
         # Await the writer's last releases (interpret mode checks every phase is awaited).
         with jax.named_scope("writer_tail"):
             lax.fori_loop(
@@ -271,7 +315,11 @@ def _fused_body(q_ref, k_ref, v_ref, do_ref, st_ref, dk_ref, dv_ref, dq_ref,
             plgpu.barrier_arrive(both_done)
             plgpu.barrier_wait(both_done)
             rows = (batch, pl.ds(key0, WG_ROWS), kv_global)
-            my_k[...] = (dk * spec.scale).astype(dtype)
+            if f16:
+                dk = dk * bcast_rows(fk[0] * spec.scale, dk.shape)
+            else:
+                dk = dk * spec.scale
+            my_k[...] = dk.astype(dtype)
             my_v[...] = dv.astype(dtype)
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(my_k, dk_ref.at[rows])
@@ -350,7 +398,8 @@ def _fused_body(q_ref, k_ref, v_ref, do_ref, st_ref, dk_ref, dv_ref, dq_ref,
 
 def fused_backward(spec: AttentionSpec, q, k, v, do, rows, cfg):
     """(dq, dk, dv) for operands already padded as backward.py pads them (sequence axes to a
-    multiple of 8; rows = the [b, hq, 3, *] m / r / D statistics padded to whole q blocks).
+    multiple of 8; rows = the [b, hq, 3, *] m / r / D statistics padded to whole q blocks;
+    float16 adds dQ's cast factors as a fourth row, `dq_cast_scales`).
 
     Under jax.vmap the vmapped axis is folded into the batch axis (one kernel launch with a
     larger batch). The generic rule of plgpu.kernel would add a grid axis instead, and the
@@ -396,7 +445,7 @@ def _fused(q, k, v, do, rows, *, spec: AttentionSpec, cfg):
         plgpu.SMEM((2, WG_ROWS, head_dim), dtype),           # V
         plgpu.SMEM((stages, BLOCK_Q, head_dim), dtype),      # Q stream
         plgpu.SMEM((stages, BLOCK_Q, head_dim), dtype),      # dO stream
-        plgpu.SMEM((stages, 3, BLOCK_Q), jnp.float32),       # m, r, D stream
+        plgpu.SMEM((stages, stat_rows(dtype), BLOCK_Q), jnp.float32),  # m, r, D (, s)
         plgpu.SMEM((DS_BUFFERS, 2, WG_ROWS, BLOCK_Q), dtype),  # dS^T [parity, key tile]
         plgpu.SMEM((slots, BLOCK_Q, head_dim), jnp.float32), # dQ tiles
         plgpu.Barrier(num_barriers=2),
@@ -419,7 +468,17 @@ def _fused(q, k, v, do, rows, *, spec: AttentionSpec, cfg):
         first, last = fused_first_tiles(mask, n_qblocks)
         seen = np.repeat(np.asarray(last > first), BLOCK_Q)[:seq_q8]
 
-    def finish(dq_sum):
+    scales = None
+    if jnp.dtype(dtype) == jnp.float16:
+        # dQ's cast factors as the fourth statistic (as 1 / s), and undone on the sum.
+        scales = dq_cast_scales(v, do, rows[:, :, 2, :seq_q8], group)
+        inv = pad_seq(1.0 / scales, rows.shape[-1], axis=2, value=1.0)
+        rows = jnp.concatenate([rows, inv[:, :, None]], axis=2)
+
+    def finish(dq_sum, head0: int = 0):
+        if scales is not None:
+            part = scales[:, head0:head0 + dq_sum.shape[2]]
+            dq_sum = dq_sum * jnp.swapaxes(part, 1, 2)[..., None]
         if not seen.all():
             dq_sum = jnp.where(jnp.asarray(seen)[None, :, None, None], dq_sum, 0.0)
         return dq_sum.astype(dtype)
@@ -475,5 +534,6 @@ def _fused(q, k, v, do, rows, *, spec: AttentionSpec, cfg):
         # Each launch's q heads are one contiguous range: q head = kv head x group + h.
         head0 = jnp.full((1,), n * heads, jnp.int32)
         dq_sum = launch(q, k, v, do, rows, head0, dk_ref, dv_ref, dq_ref)
-        dq_ref[:, :, n * heads * group:(n + 1) * heads * group] = finish(dq_sum)
+        dq_ref[:, :, n * heads * group:(n + 1) * heads * group] = finish(dq_sum,
+                                                                         n * heads * group)
     return dq_ref[...], dk_ref[...], dv_ref[...]

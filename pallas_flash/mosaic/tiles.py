@@ -1,5 +1,6 @@
 """Register-tile helpers of the Mosaic backward kernels: wgmma-layout broadcasts and
-accumulators, the two wgmma forms, and the transposed recomputation of P^T and dS^T."""
+accumulators, the two wgmma forms, the transposed recomputation of P^T and dS^T, and float16's
+scaled cast of dS."""
 
 from __future__ import annotations
 
@@ -19,6 +20,25 @@ def bcast_rows(x, shape):
 def bcast_cols(x, shape):
     """A per-column vector (WGMMA.reduce(0) layout) broadcast along the rows."""
     return lax.broadcast_in_dim(x, shape, [1])
+
+
+F16_CAST_LIMIT = 2.0 ** 14       # |dS| above this is scaled down before the float16 cast
+
+
+def cast_rows(x, scale, dtype):
+    """x cast to dtype; for float16 with a per-row running scale guarding against overflow.
+
+    Returns (x_cast, rescale, scale_new): the accumulator must be multiplied by `rescale`
+    (per row) before the new product is added; None / unchanged outside float16.
+    """
+    if jnp.dtype(dtype) != jnp.float16:
+        return x.astype(dtype), None, scale
+    amax = jnp.max(jnp.abs(x), axis=1)
+    want = jnp.where((amax > F16_CAST_LIMIT) & (amax < jnp.inf), amax * (1.0 / F16_CAST_LIMIT),
+                     1.0)
+    scale_new = jnp.maximum(scale, want)
+    x = x * bcast_rows(1.0 / scale_new, x.shape)
+    return x.astype(dtype), scale / scale_new, scale_new
 
 
 # No layout hints here (forward.py says why): the wgmmas fix every layout.
