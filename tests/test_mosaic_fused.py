@@ -32,7 +32,6 @@ needs_hopper = pytest.mark.skipif(ON_GPU and not IS_HOPPER, reason="Mosaic GPU k
     (128, jnp.bfloat16, {}, True),
     (64, jnp.bfloat16, {}, True),
     (128, jnp.float16, {}, True),
-    (128, jnp.float32, {}, False),
     (256, jnp.bfloat16, {}, False),
     (128, jnp.bfloat16, dict(has_segments=True), False),
 ])

@@ -266,12 +266,19 @@ def markdown_headline(sources: list[tuple[str, dict]]) -> str:
 
 
 def _latest(rows: list[dict]) -> list[dict]:
-    """One row per (case, mask, implementation, variant): a case measured again in a later
-    file replaces the earlier measurement, in the earlier one's place."""
+    """One row per (case, mask, implementation, variant, dtype): a case measured again in a
+    later file replaces the earlier measurement, in the earlier one's place."""
     keyed = {}
     for r in rows:
-        keyed[(r["case"], r["causal"], r["impl"], r.get("variant"))] = r
+        keyed[(r["case"], r["causal"], r["impl"], r.get("variant"), r.get("dtype"))] = r
     return list(keyed.values())
+
+
+def _case_label(r: dict) -> str:
+    """The case as the table shows it, with its dtype where it is not bf16."""
+    label = r["case"].replace("x", " × ")
+    dtype = r.get("dtype")
+    return label if dtype in (None, "bf16") else f"{label} ({dtype})"
 
 
 def markdown_speed(sources: list[tuple[str, dict]]) -> str:
@@ -283,7 +290,7 @@ def markdown_speed(sources: list[tuple[str, dict]]) -> str:
     header += ["error vs f32"]
     table = []
     for r in rows:
-        cells = [r["case"].replace("x", " × "), _mask(r), r["impl"]]
+        cells = [_case_label(r), _mask(r), r["impl"]]
         if r["status"] in ("error", "n.a."):
             cells += [f"{r['status']}: {r['error']}"] + ["–"] * (len(header) - 4)
             table.append(cells)

@@ -207,7 +207,7 @@ class MosaicBackwardConfig:
     compute_registers: int = 232
     copy_registers: int = 40
     # One kernel, dQ summed across key tiles in a fixed order: 5 matmul units a step instead of
-    # the two kernels' 7. Where it serves (bfloat16, head_dim 64 / 128, no segment ids).
+    # the two kernels' 7. Where it serves (bf16 and fp16, head_dim 64 / 128, no segment ids).
     fused: bool = False
     # Slots of the fused kernel's Q / dO / statistics stream.
     fused_stages: int = 2
@@ -315,7 +315,7 @@ def default_backward_config(head_dim: int) -> MosaicBackwardConfig:
     """The backward's tiles for `head_dim`. docs/tuning.md has the sweeps behind each."""
     if head_dim <= 64:
         # Fused: four stream slots and two dQ slots keep the writer from waiting on compute.
-        # The two-kernel tiles (float16, segment ids): 128 queries per dK/dV step.
+        # The two-kernel tiles (segment ids, MLA): 128 queries per dK/dV step.
         return MosaicBackwardConfig(dkdv_block_q=128, dq_block_kv=64, fused=True,
                                     fused_stages=4, fused_dq_slots=2)
     if head_dim <= 128:

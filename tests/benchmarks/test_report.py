@@ -170,3 +170,15 @@ def test_a_case_measured_again_replaces_the_earlier_row():
     assert len(rows) == 2
     assert "| 0.789 |" in rows[0] and "0.785" not in rows[0]
     assert "| 2 × 8192 × 8 × 8 × 64 |" in rows[1]
+
+
+def test_a_case_in_another_dtype_is_a_row_of_its_own():
+    """The same case in fp16 neither replaces the bf16 row nor reads like it."""
+    bf16 = {"meta": META, "results": [_row("2x8192x16x16x128", True, "pallas_flash", 0.9, 3.0)]}
+    fp16_row = dict(_row("2x8192x16x16x128", True, "pallas_flash", 0.94, 3.3), dtype="fp16")
+    fp16 = {"meta": META, "results": [fp16_row]}
+    rows = [line for line in report.markdown_speed([("a.json", bf16), ("b.json", fp16)]
+                                                   ).splitlines() if line.startswith("| 2 × 8192")]
+    assert len(rows) == 2
+    assert "(fp16)" not in rows[0] and "| 0.900 |" in rows[0]
+    assert rows[1].startswith("| 2 × 8192 × 16 × 16 × 128 (fp16) |") and "| 0.940 |" in rows[1]
