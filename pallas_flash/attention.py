@@ -338,10 +338,14 @@ def _custom_vjp_attention(spec: AttentionSpec, forward_backend: str = "triton",
     hold them and the backward kernels run unchanged; the sinks' gradient is a sum over rows
     of the D those kernels take (stats.sink_weights), formed once here for both."""
 
+    @jax.jit
     def forward(*args):
         # The barrier keeps XLA from launching the forward kernel twice: in a training step
         # under lax.scan, XLA can place the Mosaic forward's custom call both in the loop body
         # and in a dynamic-slice fusion beside it, and run both.
+        # The jit: under differentiation JAX traces both the primal function and the forward
+        # rule, and with one jitted forward the second finds the first's trace (tracing the
+        # kernels takes a good part of a process's first step).
         return lax.optimization_barrier(_FORWARDS[forward_backend].forward(spec, *args))
 
     @jax.custom_vjp

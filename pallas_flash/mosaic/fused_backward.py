@@ -464,9 +464,8 @@ def _fused(q, k, v, do, rows, *, spec: AttentionSpec, cfg):
                     plgpu.SMEM((BLOCK_Q, head_dim), jnp.float32),
                     plgpu.Barrier()]
     # q blocks no tile sees are never written: zeroed (static ranges: only where needed).
-    with jax.ensure_compile_time_eval():
-        first, last = fused_first_tiles(mask, n_qblocks)
-        seen = np.repeat(np.asarray(last > first), BLOCK_Q)[:seq_q8]
+    first, last = fused_first_tiles(mask, n_qblocks)
+    seen = np.repeat(last > first, BLOCK_Q)[:seq_q8]
 
     scales = None
     if jnp.dtype(dtype) == jnp.float16:
