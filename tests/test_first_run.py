@@ -63,3 +63,30 @@ def test_training_step_traces_and_compiles_once(backend):
         jax.block_until_ready(step(q, k, v, do))
     assert len(traces) == 1
     assert step._cache_size() == 1
+
+
+def test_first_step_traces_each_kernel_once_and_compiles_nothing(monkeypatch):
+    """Tracing a Hopper training step (the Mosaic forward and the fused backward, lowered for
+    sm_90 without a GPU) builds each forward once, although JAX traces both the primal
+    function and the forward rule, and compiles no program on the way: an eager op run while
+    tracing is compiled on the first step of every process."""
+    from pallas_flash.mosaic import forward as mosaic_forward
+    monkeypatch.setattr(attention, "_is_sm90", lambda: True)
+    monkeypatch.setattr(attention, "_capability", lambda: "9.0")
+    built = []
+    real = mosaic_forward.forward
+    monkeypatch.setattr(mosaic_forward, "forward",
+                        lambda *a, **kw: built.append(1) or real(*a, **kw))
+    x = jax.ShapeDtypeStruct((1, 1000, 2, 128), jnp.bfloat16)
+
+    def step(q, k, v, do):
+        return jax.vjp(lambda q, k, v: pf.flash_attention(
+            q, k, v, causal=True, window=(300, 0), backend="mosaic", interpret=False),
+            q, k, v)[1](do)
+
+    compiles = []
+    monkeypatch.setattr(jax._src.compiler, "backend_compile_and_load",
+                        lambda *a, **kw: compiles.append(1))
+    jax.jit(step).trace(x, x, x, x)
+    assert len(built) == 1
+    assert not compiles
