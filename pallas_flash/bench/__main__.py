@@ -280,9 +280,14 @@ def run_bench(args, parser, impls, explicit_impls, meta, stamp) -> dict:
     result = {"meta": meta, "complete": False, "results": rows}
     stem = report.claim_stem(args.out, "bench", stamp)
     for case, case_impls, case_key in plan:
-        rows += run_case(case, case_impls, args, case_key)
-        # Rewritten after every case, so a run cut short keeps what it measured.
-        path = report.write_json(result, args.out, stem)
+        done = list(rows)
+
+        def save(case_rows, done=done):
+            # Rewritten after every timed row, so a run cut short keeps what it measured.
+            rows[:] = done + case_rows
+            return report.write_json(result, args.out, stem)
+
+        save(run_case(case, case_impls, args, case_key, on_row=save))
     result["complete"] = True
     path = report.write_json(result, args.out, stem)
     png = os.path.join(args.out, f"{stem}.png")

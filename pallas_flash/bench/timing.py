@@ -122,8 +122,10 @@ def bench_impl(fn, q, k, v, do, causal, kw, iters, iters_bwd, warmup,
     return row, out
 
 
-def run_case(case: Case, impl_names, args, key) -> list[dict]:
-    """All implementations on one case: timing, ratios and accuracy rows."""
+def run_case(case: Case, impl_names, args, key, on_row=None) -> list[dict]:
+    """All implementations on one case: timing, ratios and accuracy rows. on_row(rows so far,
+    ratios included) after each implementation's timing, before the accuracy check, which at
+    long sequences takes a while: a run cut by a time limit then keeps every timed row."""
     k_in, k_var, k_rows = jax.random.split(key, 3)
     q, k, v, do = make_inputs(case, DTYPES[args.dtype], k_in)
     kw = variant_kwargs(case, k_var)
@@ -149,6 +151,9 @@ def run_case(case: Case, impl_names, args, key) -> list[dict]:
         # log (the table prints only at the end).
         print("    " + progress_line(row), flush=True)
         rows.append(row)
+        if on_row:
+            add_ratios(rows)
+            on_row(rows)
         if out is not None:
             outputs[name] = out
         del out

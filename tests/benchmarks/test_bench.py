@@ -301,3 +301,22 @@ def test_reference_rows_take_sinks():
     assert accuracy.rel_err(got, want) < 1e-5
     plain = accuracy.reference_rows(q, k, v, rows, causal=True)
     assert accuracy.rel_err(plain, want) > 1e-3   # the sinks change the result
+
+
+def test_a_run_cut_in_its_accuracy_check_keeps_its_timed_rows(tmp_path, monkeypatch):
+    """A time limit can cut a long case after its timings, while the accuracy check runs: the
+    JSON already holds every timed row, with its ratios, and says the run is incomplete."""
+    class Cut(Exception):
+        pass
+
+    def cut(*args, **kwargs):
+        raise Cut
+
+    monkeypatch.setattr(timing, "add_accuracy", cut)
+    with pytest.raises(Cut):
+        main(["--smoke", "--impls", "pallas_flash,xla", "--causal", "no", "--out",
+              str(tmp_path)])
+    saved = json.loads(next(tmp_path.glob("bench_*.json")).read_text())
+    assert saved["complete"] is False
+    assert [r["impl"] for r in saved["results"]] == ["pallas_flash", "xla"]
+    assert all(_finite_positive(r["fwd_ms"]) for r in saved["results"])
