@@ -24,6 +24,7 @@ import numpy as np
 
 from pallas_flash import attention, validation
 from pallas_flash.attention import kernel_options
+from pallas_flash.mosaic.config import HOPPER_SMS
 from pallas_flash.sinks import apply_sinks, check_sinks
 from pallas_flash.triton import decode as triton_decode
 
@@ -115,7 +116,6 @@ def partial_contract(plan: DecodePlan, q_packed: jax.Array, k_cache: jax.Array,
 CTAS_PER_SM = 2        # one CTA per SM leaves too few loads in flight to saturate HBM
 MIN_CHUNK_BLOCKS = 4   # each split keeps a few blocks, so its fixed cost stays amortised
 MAX_SPLITS = 256       # bounds the combine's loop and the partials' memory
-DEFAULT_SM_COUNT = 132  # an H100/H200, for devices that do not report core_count
 MAX_Q_LEN = 16
 _BACKENDS = ("auto", "triton", "mosaic")
 
@@ -142,7 +142,7 @@ def split_geometry(max_len: int, num_splits: int, align: int) -> tuple[int, int]
 
 
 def _sm_count() -> int:
-    return int(getattr(jax.devices()[0], "core_count", 0) or DEFAULT_SM_COUNT)
+    return int(getattr(jax.devices()[0], "core_count", 0) or HOPPER_SMS)
 
 
 def _is_int(x) -> bool:

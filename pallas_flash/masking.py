@@ -22,6 +22,7 @@ from typing import Literal
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 __all__ = ["MaskSpec", "make_mask_spec", "CausalAlignment", "segment_ids_from_cu_seqlens"]
@@ -72,30 +73,32 @@ class MaskSpec:
     # Triton lowering has no floor division; where the true result would be negative, the clamp
     # to the [lo, hi] range makes the answer the same.
 
-    def kv_blocks(self, q_start, block_q: int, block_kv: int, kv_len):
+    def kv_blocks(self, q_start, block_q: int, block_kv: int, kv_len, xp=jnp):
         """Key-block ranges for the query rows [q_start, q_start + block_q).
 
         Returns int32 scalars (lo, full_lo, full_hi, hi): blocks [lo, hi) may hold a visible
         key; blocks [full_lo, full_hi), a sub-range, hold only visible keys for every query row
         of the tile, and lie wholly below kv_len.
+        xp=numpy: the same ranges from static values while tracing, with no jax op run (an
+        eager op would be compiled on a process's first step); q_start may be an array.
         """
-        q_last = jnp.minimum(q_start + block_q, self.seq_q) - 1
-        zero = jnp.int32(0)
+        q_last = xp.minimum(q_start + block_q, self.seq_q) - 1
+        zero = xp.int32(0)
         if self.left is None:
             lo = zero
             full_lo = zero
         else:
-            lo = _div(_relu(q_start + (self.offset - self.left)), block_kv)
-            full_lo = _cdiv(_relu(q_last + (self.offset - self.left)), block_kv)
+            lo = _div(_relu(q_start + (self.offset - self.left), xp), block_kv, xp)
+            full_lo = _cdiv(_relu(q_last + (self.offset - self.left), xp), block_kv, xp)
         if self.right is None:
-            hi = _cdiv(kv_len, block_kv)
-            full_hi = _div(kv_len, block_kv)
+            hi = _cdiv(kv_len, block_kv, xp)
+            full_hi = _div(kv_len, block_kv, xp)
         else:
-            reach = _relu(q_last + (self.offset + self.right + 1))
-            hi = _cdiv(jnp.minimum(reach, kv_len), block_kv)
-            first_reach = _relu(q_start + (self.offset + self.right + 1))
-            full_hi = _div(jnp.minimum(first_reach, kv_len), block_kv)
-        return _order(lo, full_lo, full_hi, hi)
+            reach = _relu(q_last + (self.offset + self.right + 1), xp)
+            hi = _cdiv(xp.minimum(reach, kv_len), block_kv, xp)
+            first_reach = _relu(q_start + (self.offset + self.right + 1), xp)
+            full_hi = _div(xp.minimum(first_reach, kv_len), block_kv, xp)
+        return _order(lo, full_lo, full_hi, hi, xp)
 
     def q_blocks(self, kv_start, block_kv: int, block_q: int, kv_len, q_len):
         """Query-block ranges for the key rows [kv_start, kv_start + block_kv).
@@ -181,23 +184,29 @@ def visited_kv_blocks(spec: MaskSpec, block_q: int, block_kv: int, q_ids=None, k
     return jnp.sum(per_batch[3] - per_batch[0], axis=1)
 
 
-def _relu(x):
-    return jnp.maximum(x, jnp.int32(0))
+# xp: jnp (traced or concrete jax values) or numpy (static values, `MaskSpec.kv_blocks`). The
+# divisions see values >= 0 only, where numpy's floor division and lax.div agree.
+def _relu(x, xp=jnp):
+    return xp.maximum(x, xp.int32(0))
 
 
-def _div(x, d: int):
+def _div(x, d: int, xp=jnp):
+    if xp is np:
+        return np.asarray(x, np.int32) // np.int32(d)
     return lax.div(jnp.asarray(x, jnp.int32), jnp.int32(d))
 
 
-def _cdiv(x, d: int):
+def _cdiv(x, d: int, xp=jnp):
+    if xp is np:
+        return (np.asarray(x, np.int32) + np.int32(d - 1)) // np.int32(d)
     return lax.div(jnp.asarray(x, jnp.int32) + jnp.int32(d - 1), jnp.int32(d))
 
 
-def _order(lo, full_lo, full_hi, hi):
+def _order(lo, full_lo, full_hi, hi, xp=jnp):
     """Clamps so that lo <= full_lo <= full_hi <= hi always holds."""
-    hi = jnp.maximum(hi, lo)
-    full_lo = jnp.clip(full_lo, lo, hi)
-    full_hi = jnp.clip(full_hi, full_lo, hi)
+    hi = xp.maximum(hi, lo)
+    full_lo = xp.clip(full_lo, lo, hi)
+    full_hi = xp.clip(full_hi, full_lo, hi)
     return lo, full_lo, full_hi, hi
 
 

@@ -143,22 +143,21 @@ def check_against_reference(q, k, v, do, *, key=None, tol=None, **kwargs):
     return out, lse, grads
 
 
+def all_eqns(jaxpr):
+    """Every equation of jaxpr and of the jaxprs nested in it."""
+    import jax.extend
+
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            yield from all_eqns(sub)
+
+
 def kernel_names(fn, *args):
     """Names of the kernels fn stages: Pallas `pallas_call` names and Mosaic `mpmd_map` names,
     through nested jaxprs."""
-    import jax.extend
-
-    names = set()
-
-    def walk(jaxpr):
-        for eqn in jaxpr.eqns:
-            if eqn.primitive.name in ("pallas_call", "mpmd_map"):
-                names.add(eqn.params.get("name"))
-            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-                walk(sub)
-
-    walk(jax.make_jaxpr(fn)(*args).jaxpr)
-    return names
+    return {eqn.params.get("name") for eqn in all_eqns(jax.make_jaxpr(fn)(*args).jaxpr)
+            if eqn.primitive.name in ("pallas_call", "mpmd_map")}
 
 
 @contextlib.contextmanager

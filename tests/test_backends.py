@@ -21,7 +21,7 @@ from pallas_flash.mosaic import forward as mosaic_forward
 from pallas_flash.triton import backward as triton_backward
 from pallas_flash.triton import forward as triton_forward
 from backends import IS_HOPPER, ON_GPU
-from helpers import TOLERANCE, assert_close, kernel_names, make_spec, random_inputs
+from helpers import TOLERANCE, all_eqns, assert_close, kernel_names, make_spec, random_inputs
 
 needs_mosaic = pytest.mark.skipif(ON_GPU and not IS_HOPPER, reason="Mosaic GPU needs sm_90")
 
@@ -261,16 +261,6 @@ def test_guarded_backend_confines_nonfinite_inputs_like_triton(which, mosaic_ker
     assert np.isfinite(triton[0][0, :40]).all()
 
 
-def _all_eqns(jaxpr):
-    """Every equation of jaxpr and of the jaxprs nested in it."""
-    import jax.extend
-
-    for eqn in jaxpr.eqns:
-        yield eqn
-        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-            yield from _all_eqns(sub)
-
-
 @needs_mosaic
 def test_guarded_backend_under_vmap_takes_one_flag(mosaic_kernels):
     # Under jax.vmap a per-example flag would be batched into the predicated Triton launches;
@@ -293,7 +283,7 @@ def test_guarded_backend_under_vmap_takes_one_flag(mosaic_kernels):
     jaxpr = jax.make_jaxpr(grads("guarded"))(q, k, v, do).jaxpr
     # Each predicated Triton launch reads one flag for the batch, not one per example (a
     # batched flag would be [2, 1]).
-    flags = {eqn.params["name"]: var.aval.shape for eqn in _all_eqns(jaxpr)
+    flags = {eqn.params["name"]: var.aval.shape for eqn in all_eqns(jaxpr)
              if eqn.primitive.name == "pallas_call" and eqn.params["name"].startswith(
                  "pallas_flash_") and "mosaic" not in eqn.params["name"]
              for var in eqn.invars if var.aval.dtype == jnp.int32}

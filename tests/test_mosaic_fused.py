@@ -9,15 +9,14 @@ semaphores and TMA reductions the interpreter does not run), its memory, and jax
 import dataclasses
 
 import jax
-import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import pallas_flash as pf
 from backends import IS_HOPPER, ON_GPU
-from helpers import (TOLERANCE, assert_close, backward_args, kernel_names, make_spec,
-                     random_inputs)
+from helpers import (TOLERANCE, all_eqns, assert_close, backward_args, kernel_names,
+                     make_spec, random_inputs)
 from pallas_flash.mosaic import backward as mosaic
 from pallas_flash.mosaic import fused_backward as fused
 from pallas_flash.mosaic import schedule
@@ -89,13 +88,8 @@ def test_lowers_for_sm90(b, d, causal, options, dtype):
 def _largest_value(jaxpr) -> int:
     """Elements of the largest array any equation of `jaxpr` (or of the jaxprs inside it, the
     kernel bodies included) produces."""
-    largest = 0
-    for eqn in jaxpr.eqns:
-        for var in eqn.outvars:
-            largest = max(largest, int(np.prod(getattr(var.aval, "shape", ()))))
-        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-            largest = max(largest, _largest_value(sub))
-    return largest
+    return max((int(np.prod(getattr(var.aval, "shape", ()))) for eqn in all_eqns(jaxpr)
+                for var in eqn.outvars), default=0)
 
 
 def test_materializes_nothing_quadratic():
@@ -136,16 +130,9 @@ def test_vmap_folds_into_the_batch():
         for g, a in zip(got, alone):
             np.testing.assert_array_equal(np.asarray(g[i]), np.asarray(a))
     # One launch, its batch the vmapped axis times the batch.
-    launches = []
-
-    def walk(jaxpr):
-        for eqn in jaxpr.eqns:
-            if eqn.primitive.name in ("pallas_call", "mpmd_map"):
-                launches.append(eqn.invars[0].aval.shape)
-            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-                walk(sub)
-
-    walk(jax.make_jaxpr(jax.vmap(one))(*args).jaxpr)
+    launches = [eqn.invars[0].aval.shape
+                for eqn in all_eqns(jax.make_jaxpr(jax.vmap(one))(*args).jaxpr)
+                if eqn.primitive.name in ("pallas_call", "mpmd_map")]
     assert launches == [(n, sq, hq, d)], launches
 
 
@@ -160,15 +147,8 @@ def _split_case(seed, b, seq, hq, hkv, d, dtype, causal=True):
 
 
 def _launches_of(fn, *args):
-    return sum(1 for eqn in _all_eqns(jax.make_jaxpr(fn)(*args).jaxpr)
+    return sum(1 for eqn in all_eqns(jax.make_jaxpr(fn)(*args).jaxpr)
                if eqn.primitive.name in ("pallas_call", "mpmd_map"))
-
-
-def _all_eqns(jaxpr):
-    for eqn in jaxpr.eqns:
-        yield eqn
-        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-            yield from _all_eqns(sub)
 
 
 @needs_hopper
@@ -203,7 +183,7 @@ def test_split_holds_one_launch_of_float32():
 
     def largest_f32(cfg):
         jaxpr = jax.make_jaxpr(lambda *a: mosaic.backward(spec, *a, config=cfg))(*args).jaxpr
-        sizes = [int(np.prod(v.aval.shape)) for eqn in _all_eqns(jaxpr) for v in eqn.outvars
+        sizes = [int(np.prod(v.aval.shape)) for eqn in all_eqns(jaxpr) for v in eqn.outvars
                  if eqn.primitive.name == "mpmd_map" and v.aval.dtype == jnp.float32]
         return max(sizes)
 

@@ -38,7 +38,7 @@ FUSED_REGISTER_POOL = 4 * 128       # 4 warpgroups x 128 registers per thread at
 FUSED_SPLIT_BYTES = 256 << 20
 FUSED_MAX_LAUNCHES = 8
 FUSED_MIN_WAVES = 4
-HOPPER_SMS = 132
+HOPPER_SMS = 132                    # an H100 / H200; decode's count where a device reports none
 
 
 def register_budget(warpgroups: int) -> int:

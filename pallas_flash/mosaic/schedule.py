@@ -238,22 +238,8 @@ def fused_position(mask, chunk: int, batch_size: int):
 
 def fused_first_tiles(mask, n_qblocks: int):
     """first(j), last(j): the key tiles that see q block j, numpy int32 [n]; tile t adds to q
-    block j's dQ after the t - first(j) tiles below it.
-
-    MaskSpec.kv_blocks' lo and hi (128-key blocks), in numpy: the mask is static, and its jnp
-    form run while tracing would compile a program on a process's first step
-    (tests/test_mosaic_schedule.py checks the two against the kernels' own ranges).
-    """
-    q_start = np.arange(n_qblocks, dtype=np.int64) * FUSED_BLOCK_Q
-    q_last = np.minimum(q_start + FUSED_BLOCK_Q, mask.seq_q) - 1
-    relu = lambda x: np.maximum(x, 0)
-    cdiv = lambda x: -(-x // FUSED_CTA_KEYS)
-    if mask.left is None:
-        lo = np.zeros_like(q_start)
-    else:
-        lo = relu(q_start + (mask.offset - mask.left)) // FUSED_CTA_KEYS
-    if mask.right is None:
-        hi = np.full_like(q_start, cdiv(mask.seq_kv))
-    else:
-        hi = cdiv(np.minimum(relu(q_last + (mask.offset + mask.right + 1)), mask.seq_kv))
-    return lo.astype(np.int32), np.maximum(hi, lo).astype(np.int32)
+    block j's dQ after the t - first(j) tiles below it. Static, so in numpy (MaskSpec.kv_blocks'
+    xp): no jax op runs while tracing."""
+    starts = np.arange(n_qblocks, dtype=np.int32) * FUSED_BLOCK_Q
+    lo, _, _, hi = mask.kv_blocks(starts, FUSED_BLOCK_Q, FUSED_CTA_KEYS, mask.seq_kv, xp=np)
+    return np.broadcast_to(lo, starts.shape), np.broadcast_to(hi, starts.shape)
