@@ -23,10 +23,10 @@ deadlock. Tiles walk their q blocks last first: under a causal mask every tile t
 blocks all tiles see, one step behind the tile below.
 
 float16: dS (up to |dO| |V| + |D|) can pass float16's range, so it is cast twice, each time
-scaled. For dK (rows: keys) the running per-key scale of the two-kernel path
-(`tiles.cast_rows`). For dQ's product, which sums over the 128 keys of both warpgroups, a
-per-query factor that both know without an exchange: a bound on |dS| over every key
-(`dq_cast_scales`), streamed as a fourth statistic and undone on the float32 dQ sum.
+divided by a factor fixed before the kernel runs from a bound on |dS|, and multiplied back on
+the float32 sum: per key for dK (`dk_cast_scales`, read once per CTA, so a step pays one
+multiply and no running maximum or rescale of dK), per query for dQ's product, which sums over
+the 128 keys of both warpgroups (`dq_cast_scales`, streamed as a fourth statistic).
 
 Serves bfloat16 and float16, head_dim 64 / 128, no segment ids (`unsupported_reason`): segment
 ids make the contributing tiles data-dependent, and head_dim 256 does not fit shared memory.
@@ -51,9 +51,8 @@ from pallas_flash.mosaic.config import FUSED_BLOCK_Q as BLOCK_Q
 from pallas_flash.mosaic.config import FUSED_CTA_KEYS as CTA_KEYS
 from pallas_flash.mosaic.config import FUSED_DS_BUFFERS as DS_BUFFERS
 from pallas_flash.mosaic.config import WG_ROWS
-from pallas_flash.mosaic.tiles import (F16_CAST_LIMIT, bcast_cols, bcast_rows, cast_rows,
-                                      positions, product, row_vector, transposed_weights,
-                                      zeros_acc)
+from pallas_flash.mosaic.tiles import (F16_CAST_LIMIT, bcast_cols, bcast_rows, positions,
+                                      product, transposed_weights, zeros_acc)
 from pallas_flash.mosaic.schedule import (fused_first_tiles, fused_grid, fused_head_chunk,
                                          fused_launches, fused_position)
 from pallas_flash.mosaic.schedule import fused_first_tiles as _first_tiles  # noqa: F401
@@ -62,7 +61,7 @@ from pallas_flash.mosaic.schedule import fused_head_chunk as head_chunk  # noqa:
 from pallas_flash.spec import AttentionSpec
 from pallas_flash.stats import LOG2E, logit_scale
 
-__all__ = ["FUSED_KERNEL_NAME", "dq_cast_scales", "fused_backward", "head_chunk", "stat_rows",
+__all__ = ["FUSED_KERNEL_NAME", "dk_cast_scales", "dq_cast_scales", "fused_backward", "head_chunk", "stat_rows",
            "unsupported_reason"]
 
 FUSED_KERNEL_NAME = "pallas_flash_mosaic_bwd_fused"
@@ -75,20 +74,44 @@ def stat_rows(dtype) -> int:
     return 4 if jnp.dtype(dtype) == jnp.float16 else 3
 
 
+def _norms(x):
+    """Euclidean norms over the last axis, in float32."""
+    return jnp.sqrt(jnp.sum(jnp.square(x.astype(jnp.float32)), axis=-1))
+
+
+def _cast_factor(bound):
+    """s >= 1 with bound / s within F16_CAST_LIMIT; 1 where the bound is not finite (the
+    values are then passed on unscaled, as the two-kernel path does)."""
+    return jnp.where((bound > F16_CAST_LIMIT) & (bound < jnp.inf),
+                     bound * (1.0 / F16_CAST_LIMIT), 1.0)
+
+
 def dq_cast_scales(v, do, delta, group: int):
     """Per query, float32 [b, hq, seq_q]: the factor s >= 1 by which the fused kernel divides
     dS before its float16 cast for dQ's product (and multiplies the float32 dQ sum after).
 
     |dS_ij| = P_ij |dP_ij - D_i| (times 1 - t^2 <= 1 with a softcap) <= |dO_i| max_j |V_j|
     + |D_i|, by Cauchy-Schwarz with P <= 1: a bound over every key, so the tiles and both
-    warpgroups of a CTA scale query i alike. s = 1 wherever the bound is within F16_CAST_LIMIT
-    (or not finite: the values are then passed on unscaled, as the two-kernel path does).
+    warpgroups of a CTA scale query i alike.
     """
-    norm = lambda x: jnp.sqrt(jnp.sum(jnp.square(x.astype(jnp.float32)), axis=-1))
-    v_max = jnp.repeat(jnp.max(norm(v), axis=1), group, axis=1)     # [b, hq]
-    bound = jnp.swapaxes(norm(do), 1, 2) * v_max[:, :, None] + jnp.abs(delta)
-    return jnp.where((bound > F16_CAST_LIMIT) & (bound < jnp.inf),
-                     bound * (1.0 / F16_CAST_LIMIT), 1.0)
+    v_max = jnp.repeat(jnp.max(_norms(v), axis=1), group, axis=1)     # [b, hq]
+    return _cast_factor(jnp.swapaxes(_norms(do), 1, 2) * v_max[:, :, None] + jnp.abs(delta))
+
+
+def dk_cast_scales(v, do, delta, group: int, keys: int):
+    """Per key, float32 [b, hkv, keys]: the factor by which the fused kernel divides dS before
+    its float16 cast for dK's product (and multiplies the float32 dK after); keys >= v's
+    sequence length, the rest padded with 1.
+
+    The bound of `dq_cast_scales` taken the other way: |dS_ij| <= max_i |dO_i| |V_j| +
+    max_i |D_i|, the maxima over every query of the kv head's q heads.
+    """
+    b, seq_q, hq, _ = do.shape
+    hkv = v.shape[2]
+    do_max = jnp.max(_norms(do).reshape(b, seq_q, hkv, group), axis=(1, 3))       # [b, hkv]
+    d_max = jnp.max(jnp.abs(delta).reshape(b, hkv, group * seq_q), axis=2)        # [b, hkv]
+    bound = jnp.swapaxes(_norms(v), 1, 2) * do_max[:, :, None] + d_max[:, :, None]
+    return pad_seq(_cast_factor(bound), keys, axis=2, value=1.0)
 
 
 def alternates(head_dim: int) -> bool:
@@ -118,7 +141,7 @@ def _fused_body(q_ref, k_ref, v_ref, do_ref, st_ref, dk_ref, dv_ref, dq_ref,
                 k_loaded, v_loaded, q_loaded, do_loaded, st_loaded, slot_free,
                 ds_ready, dq_ready, dq_free, both_done, *interp_smem,
                 spec: AttentionSpec, cfg, group: int, head_dim: int, q_heads: int,
-                n_qblocks: int, chunk: int, batch_size: int, head0_ref=None):
+                n_qblocks: int, chunk: int, batch_size: int, head0_ref=None, kf_ref=None):
     mask = spec.mask
     dtype = q_ref.dtype
     stages, slots = cfg.fused_stages, cfg.fused_dq_slots
@@ -169,6 +192,10 @@ def _fused_body(q_ref, k_ref, v_ref, do_ref, st_ref, dk_ref, dv_ref, dq_ref,
             mask.q_blocks(key0, WG_ROWS, BLOCK_Q, mask.seq_kv, mask.seq_q), cta_lo, cta_hi)
         my_k, my_v = k_smem.at[w], v_smem.at[w]
         stage = interp_smem[0].at[w] if spec.interpret else None
+        if f16:
+            # dK's cast factor of each of this warpgroup's keys (`dk_cast_scales`).
+            kf = plgpu.load(kf_ref.at[batch, kv_global, pl.ds(key0, WG_ROWS)], optimized=False)
+            inv_kf = 1.0 / kf
         shape = (WG_ROWS, BLOCK_Q)
         # dQ columns this warpgroup computes, from col0 (all of them on its turns).
         cols = head_dim if by_turns else head_dim // 2
@@ -224,7 +251,7 @@ def _fused_body(q_ref, k_ref, v_ref, do_ref, st_ref, dk_ref, dv_ref, dq_ref,
             plgpu.barrier_arrive(dq_ready.at[dslot])
 
         def step(h, i, carry, masked: bool):
-            dk, dv, *fk = carry
+            dk, dv = carry
             t = step_of(h, i)
             slot = lax.rem(t, jnp.int32(stages))
             q_blk, do_blk, st = q_smem.at[slot], do_smem.at[slot], st_smem.at[slot]
@@ -245,16 +272,14 @@ def _fused_body(q_ref, k_ref, v_ref, do_ref, st_ref, dk_ref, dv_ref, dq_ref,
             if f16:
                 # Two scaled casts (module docstring): per key for dK, per query for dQ.
                 inv_s = plgpu.load(st.at[3])
-                ds_k, rescale, fk_new = cast_rows(ds_t, fk[0], dtype)
-                dk = dk * bcast_rows(rescale, dk.shape)
-                fk = [fk_new]
+                ds_k = (ds_t * bcast_rows(inv_kf, shape)).astype(dtype)
                 ds_t = (ds_t * bcast_cols(inv_s, shape)).astype(dtype)
             else:
                 ds_t = ds_k = ds_t.astype(dtype)
             dk = product(dk, ds_k, q_blk, interpret=spec.interpret, stage_ref=stage)
             plgpu.barrier_arrive(slot_free.at[slot])  # Q, dO, stats of this step are read
             exchange(t, ds_t)
-            return (dk, dv, *fk)
+            return dk, dv
 
         def drain(h, i):
             # A block only the other warpgroup sees: the exchange still needs a (zero) half.
@@ -290,11 +315,9 @@ def _fused_body(q_ref, k_ref, v_ref, do_ref, st_ref, dk_ref, dv_ref, dq_ref,
             return carry
 
         carry = (zeros_acc(WG_ROWS, head_dim), zeros_acc(WG_ROWS, head_dim))
-        if f16:
-            carry += (row_vector(1.0, WG_ROWS),)   # dK's running per-key scale
         with jax.named_scope("steps"):
             if group > 1 and not block_major:
-                dk, dv, *fk = lax.fori_loop(0, group, head_loop, carry)
+                dk, dv = lax.fori_loop(0, group, head_loop, carry)
             else:
                 downward(hi, cta_hi, heads(drained), None)
                 carry = downward(full_hi, hi, heads(lambda h, i, cr: step(h, i, cr, True)),
@@ -304,7 +327,7 @@ def _fused_body(q_ref, k_ref, v_ref, do_ref, st_ref, dk_ref, dv_ref, dq_ref,
                 carry = downward(lo, full_lo, heads(lambda h, i, cr: step(h, i, cr, True)),
                                  carry)
                 downward(cta_lo, lo, heads(drained), None)
-                dk, dv, *fk = carry
+                dk, dv = carry
         # Await the writer's last releases (interpret mode checks every phase is awaited).
         with jax.named_scope("writer_tail"):
             lax.fori_loop(
@@ -316,7 +339,7 @@ def _fused_body(q_ref, k_ref, v_ref, do_ref, st_ref, dk_ref, dv_ref, dq_ref,
             plgpu.barrier_wait(both_done)
             rows = (batch, pl.ds(key0, WG_ROWS), kv_global)
             if f16:
-                dk = dk * bcast_rows(fk[0] * spec.scale, dk.shape)
+                dk = dk * bcast_rows(kf * spec.scale, dk.shape)
             else:
                 dk = dk * spec.scale
             my_k[...] = dk.astype(dtype)
@@ -467,12 +490,15 @@ def _fused(q, k, v, do, rows, *, spec: AttentionSpec, cfg):
     first, last = fused_first_tiles(mask, n_qblocks)
     seen = np.repeat(last > first, BLOCK_Q)[:seq_q8]
 
-    scales = None
+    scales, extra = None, ()
     if jnp.dtype(dtype) == jnp.float16:
-        # dQ's cast factors as the fourth statistic (as 1 / s), and undone on the sum.
-        scales = dq_cast_scales(v, do, rows[:, :, 2, :seq_q8], group)
+        # dQ's cast factors as the fourth statistic (as 1 / s), and undone on the sum; dK's as
+        # one more operand, read once per CTA.
+        delta = rows[:, :, 2, :seq_q8]
+        scales = dq_cast_scales(v, do, delta, group)
         inv = pad_seq(1.0 / scales, rows.shape[-1], axis=2, value=1.0)
         rows = jnp.concatenate([rows, inv[:, :, None]], axis=2)
+        extra = (dk_cast_scales(v, do, delta, group, n_tiles * CTA_KEYS),)
 
     def finish(dq_sum, head0: int = 0):
         if scales is not None:
@@ -483,7 +509,8 @@ def _fused(q, k, v, do, rows, *, spec: AttentionSpec, cfg):
         return dq_sum.astype(dtype)
 
     def launch_kernel(heads: int, split: bool):
-        """The kernel over `heads` kv heads and their q heads. split: it takes the index of its
+        """The kernel over `heads` kv heads and their q heads. Its operands: q, k, v, dO, the
+        statistics and, for float16, dK's cast factors. split: then the index of its
         first kv head as an int32 [1] array, then dK and dV as refs written in place (every
         launch writes its own heads), then dQ's ref, which it does not touch: taking it orders
         each launch after the previous launch's sum has been cast into it, so that one float32
@@ -493,14 +520,22 @@ def _fused(q, k, v, do, rows, *, spec: AttentionSpec, cfg):
                                  head_dim=head_dim, q_heads=heads * group, n_qblocks=n_qblocks,
                                  chunk=chunk, batch_size=batch)
         dq_type = jax.ShapeDtypeStruct((batch, seq_q8, heads * group, head_dim), jnp.float32)
+        n_extra = len(extra)
+
+        def kernel_body(q_ref, k_ref, v_ref, do_ref, st_ref, *refs):
+            kf_ref = refs[0] if n_extra else None
+            refs = refs[n_extra:]
+            if split:
+                head0_ref, dk_ref, dv_ref, _dq_state, dq_ref, *scratch_refs = refs
+            else:
+                head0_ref = None
+                dk_ref, dv_ref, dq_ref, *scratch_refs = refs
+            body(q_ref, k_ref, v_ref, do_ref, st_ref, dk_ref, dv_ref, dq_ref, *scratch_refs,
+                 head0_ref=head0_ref, kf_ref=kf_ref)
+
         if split:
-            def kernel_body(q_ref, k_ref, v_ref, do_ref, st_ref, head0_ref, dk_ref, dv_ref,
-                            _dq_state, dq_ref, *scratch_refs):
-                body(q_ref, k_ref, v_ref, do_ref, st_ref, dk_ref, dv_ref, dq_ref,
-                     *scratch_refs, head0_ref=head0_ref)
             out_type = dq_type
         else:
-            kernel_body = body
             kv_shape = jax.ShapeDtypeStruct(k.shape, dtype)
             out_type = (kv_shape, kv_shape, dq_type)
         return plgpu.kernel(
@@ -520,7 +555,7 @@ def _fused(q, k, v, do, rows, *, spec: AttentionSpec, cfg):
 
     launches = fused_launches(cfg, batch, mask.seq_q, q_heads, kv_heads, head_dim, n_tiles)
     if launches == 1:
-        dk, dv, dq_sum = launch_kernel(kv_heads, split=False)(q, k, v, do, rows)
+        dk, dv, dq_sum = launch_kernel(kv_heads, split=False)(q, k, v, do, rows, *extra)
         return finish(dq_sum), dk, dv
     heads = kv_heads // launches
     # One jitted launch called `launches` times: lowered (Mosaic GPU's layout inference, seconds
@@ -532,7 +567,7 @@ def _fused(q, k, v, do, rows, *, spec: AttentionSpec, cfg):
     for n in range(launches):
         # Each launch's q heads are one contiguous range: q head = kv head x group + h.
         head0 = jnp.full((1,), n * heads, jnp.int32)
-        dq_sum = launch(q, k, v, do, rows, head0, dk_ref, dv_ref, dq_ref)
+        dq_sum = launch(q, k, v, do, rows, *extra, head0, dk_ref, dv_ref, dq_ref)
         dq_ref[:, :, n * heads * group:(n + 1) * heads * group] = finish(dq_sum,
                                                                          n * heads * group)
     return dq_ref[...], dk_ref[...], dv_ref[...]
