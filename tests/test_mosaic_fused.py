@@ -260,3 +260,55 @@ def test_fused_launches_config():
         schedule.fused_launches(MosaicBackwardConfig(fused_launches=3), 1, 128, 4, 4, 64, 1)
     with pytest.raises(ValueError, match="fused_launches"):
         MosaicBackwardConfig(fused_launches=0)
+
+
+
+def _causal_ds(q, k, v, do):
+    """(dS [b, hq, q, k], D [b, hq, q]) of causal attention, in float32."""
+    group = q.shape[2] // k.shape[2]
+    kx, vx = (jnp.repeat(x, group, axis=2) for x in (k, v))
+    s = q.shape[1]
+    logits = jnp.einsum("bqhd,bkhd->bhqk", q, kx) / np.sqrt(q.shape[-1])
+    p = jax.nn.softmax(jnp.where(jnp.tril(jnp.ones((s, s), bool)), logits, -jnp.inf), axis=-1)
+    delta = jnp.einsum("bqhd,bqhd->bhq", do, jnp.einsum("bhqk,bkhd->bqhd", p, vx))
+    return p * (jnp.einsum("bqhd,bkhd->bhqk", do, vx) - delta[..., None]), delta
+
+
+def _scaled_ds_max(q, k, v, do):
+    """max |dS| divided by dK's and by dQ's cast factors."""
+    group = q.shape[2] // k.shape[2]
+    ds, delta = _causal_ds(q, k, v, do)
+    per_key = fused.dk_cast_scales(v, do, delta, group, keys=128)        # [b, hkv, 128]
+    per_query = fused.dq_cast_scales(v, do, delta, group)                # [b, hq, s]
+    assert bool((per_key[:, :, q.shape[1]:] == 1).all())                 # the padding
+    assert float(per_key.max()) > 1 and float(per_query.max()) > 1       # the premise
+    key_factor = jnp.repeat(per_key[:, :, :q.shape[1]], group, axis=1)[:, :, None, :]
+    return float(jnp.abs(ds / key_factor).max()), float(jnp.abs(ds / per_query[..., None]).max())
+
+
+def test_float16_cast_factors_bound_every_ds():
+    """dS divided by either cast factor (per key for dK, per query for dQ) stays within
+    F16_CAST_LIMIT for every entry, on random operands large enough that both factors
+    exceed 1."""
+    b, s, hq, hkv, d = 1, 96, 4, 2, 32
+    ks = jax.random.split(jax.random.PRNGKey(5), 4)
+    q = jax.random.normal(ks[0], (b, s, hq, d))
+    k = jax.random.normal(ks[1], (b, s, hkv, d))
+    v = 300.0 * jax.random.normal(ks[2], (b, s, hkv, d))
+    do = 50.0 * jax.random.normal(ks[3], (b, s, hq, d))
+    for scaled in _scaled_ds_max(q, k, v, do):
+        assert scaled <= fused.F16_CAST_LIMIT * (1 + 1e-5)
+
+
+def test_float16_cast_factors_are_within_two_of_the_largest_ds():
+    """The bound is reached to a factor of two: query 1 splits its weight evenly between
+    keys 0 and 1, whose values are opposite, and its cotangent points along them, so
+    |dS| = |dO| |V| / 2. A factor any larger would only cost float16 precision."""
+    b, s, hq, hkv, d = 1, 2, 2, 1, 4
+    e1, e2 = jnp.eye(d)[0], jnp.eye(d)[1]
+    q = jnp.broadcast_to(jnp.array([0.3, -0.7, 0.2, 0.5]), (b, s, hq, d))
+    k = jnp.broadcast_to(jnp.array([0.4, 0.1, -0.6, 0.9]), (b, s, hkv, d))
+    v = 300.0 * jnp.stack([e1, -e1])[None, :, None, :]
+    do = 200.0 * jnp.stack([0.1 * e2, e1])[None, :, None, :].repeat(hq, axis=2)
+    for scaled in _scaled_ds_max(q, k, v, do):
+        assert fused.F16_CAST_LIMIT / 2 * (1 - 1e-4) <= scaled <= fused.F16_CAST_LIMIT * (1 + 1e-5)
