@@ -61,8 +61,8 @@ from pallas_flash.mosaic.schedule import fused_head_chunk as head_chunk  # noqa:
 from pallas_flash.spec import AttentionSpec
 from pallas_flash.stats import LOG2E, logit_scale
 
-__all__ = ["FUSED_KERNEL_NAME", "dk_cast_scales", "dq_cast_scales", "fused_backward", "head_chunk", "stat_rows",
-           "unsupported_reason"]
+__all__ = ["FUSED_KERNEL_NAME", "dk_cast_scales", "dq_cast_scales", "fused_backward", "head_chunk",
+           "stat_rows", "unsupported_reason"]
 
 FUSED_KERNEL_NAME = "pallas_flash_mosaic_bwd_fused"
 HEAD_DIMS = (64, 128)
