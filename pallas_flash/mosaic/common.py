@@ -48,11 +48,8 @@ def unsupported_operands(which: str, q, k, v, *, v_head_dim_may_differ: bool = F
 
 def exp2_tanh(x):
     """tanh(x) as 1 - 2 / (2^(2 x log2 e) + 1): under approx_math a plain tanh is ~2^-11 off,
-    so a pass's m and r would not match another pass's P; ex2.approx is a few ulps off.
-    The reciprocal is rsqrt(y)^2: one multi-function op, where a float division lowers to the
-    IEEE sequence once per logit. y >= 1, so rsqrt never sees zero; y = inf gives 1."""
-    inv_sqrt = lax.rsqrt(jnp.exp2(x * (2.0 * LOG2E)) + 1.0)
-    return 1.0 - 2.0 * (inv_sqrt * inv_sqrt)
+    so a pass's m and r would not match another pass's P; ex2.approx is a few ulps off."""
+    return 1.0 - 2.0 / (jnp.exp2(x * (2.0 * LOG2E)) + 1.0)
 
 
 def logit_units(spec: AttentionSpec, s):
