@@ -157,3 +157,17 @@ def test_fused_exponent_with_large_logits(causal):
     assert np.abs(np.asarray(row_stats.m)).max() > 100     # the regime this is about
     assert_close("O", out.astype(jnp.float32), ref, TOLERANCE[jnp.dtype(q.dtype)])
     assert relative_error(stats.to_lse(spec, row_stats), ref_lse) < 1e-4
+
+
+def test_softcap_tanh_is_float32_accurate():
+    """The kernels' tanh (exp2 and one division) against float64 tanh over the logit
+    range a softcap sees, its saturated ends included; it must stay odd-symmetric, in [-1, 1],
+    and carry NaN through."""
+    from pallas_flash.mosaic.common import exp2_tanh
+    x = np.concatenate([np.linspace(-30.0, 30.0, 200001), [-1e4, -90.0, 0.0, 90.0, 1e4]])
+    got = np.asarray(exp2_tanh(jnp.asarray(x, jnp.float32)), np.float64)
+    want = np.tanh(x.astype(np.float32).astype(np.float64))
+    assert np.max(np.abs(got - want)) < 1e-6
+    assert np.all(np.abs(got) <= 1.0)
+    assert np.max(np.abs(got[:200001] + got[200000::-1])) < 1e-6
+    assert np.isnan(exp2_tanh(jnp.float32(np.nan)))
