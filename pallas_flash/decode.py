@@ -113,7 +113,7 @@ def partial_contract(plan: DecodePlan, q_packed: jax.Array, k_cache: jax.Array,
 
 
 # Split rule constants (choose_num_splits).
-CTAS_PER_SM = 2        # one CTA per SM leaves too few loads in flight to saturate HBM
+CTAS_PER_SM = 2        # where the grid is near one program per SM (choose_num_splits)
 MIN_CHUNK_BLOCKS = 4   # each split keeps a few blocks, so its fixed cost stays amortised
 MAX_SPLITS = 256       # bounds the combine's loop and the partials' memory
 MAX_Q_LEN = 16
@@ -122,13 +122,20 @@ _BACKENDS = ("auto", "triton", "mosaic")
 
 def choose_num_splits(batch: int, kv_heads: int, max_len: int, num_sms: int,
                       align: int = CHUNK_ALIGN) -> int:
-    """Splits per (batch, kv head) so that the grid fills every SM CTAS_PER_SM times.
+    """Splits per (batch, kv head): enough programs for every SM.
 
     Decoding is bandwidth-bound and a grid of batch * kv_heads programs leaves most SMs idle at
-    small batch, so the key positions are cut until there are about CTAS_PER_SM * num_sms
-    programs, but never into chunks under MIN_CHUNK_BLOCKS * align keys, and at most MAX_SPLITS.
+    small batch, so the key positions are cut into chunks. Where at least two splits give each
+    SM a program, the grid stops at one program per SM: more would double the partials the
+    combine reads and each program's fixed cost. Else (batch * kv_heads near the SM count or
+    above) it aims at CTAS_PER_SM programs per SM, which keeps more loads in flight than a
+    single long program per SM. Chunks never hold fewer than MIN_CHUNK_BLOCKS * align keys,
+    and there are at most MAX_SPLITS.
     """
-    wanted = -(-CTAS_PER_SM * num_sms // (batch * kv_heads))
+    programs = batch * kv_heads
+    wanted = num_sms // programs
+    if wanted < 2:
+        wanted = -(-CTAS_PER_SM * num_sms // programs)
     by_length = max(1, max_len // (MIN_CHUNK_BLOCKS * align))
     return max(1, min(wanted, by_length, MAX_SPLITS))
 

@@ -242,12 +242,16 @@ def test_differentiating_raises():
 
 
 @pytest.mark.parametrize("batch,kv_heads,max_len,sms,align,want", [
-    (1, 8, 131072, 132, 64, 33),     # batch 1: split until 2 CTAs per SM
+    (1, 8, 131072, 132, 64, 16),     # batch 1: split until one CTA per SM
+    (16, 8, 131072, 132, 64, 3),     # 128 programs: two per SM, over three splits
+    (4, 8, 131072, 132, 64, 4),      # four splits give every SM one program
     (64, 8, 131072, 132, 64, 1),     # the grid already fills the GPU
     (1, 8, 1024, 132, 64, 4),        # short cache: chunks keep 4 blocks of 64
     (1, 1, 100, 132, 64, 1),         # shorter than 4 blocks: one split
-    (1, 1, 10 ** 7, 132, 64, 256),   # capped
-    (4, 2, 8192, 16, 256, 4),        # paged, page 256: chunks of >= 4 pages
+    (1, 1, 10 ** 7, 1000, 64, 256),  # capped
+    (4, 2, 8192, 16, 256, 2),        # paged, page 256: one program per SM
+    (8, 2, 8192, 16, 256, 2),        # one split would give each SM one: two per SM
+    (1, 1, 8192, 132, 256, 8),       # paged, page 256: chunks of >= 4 pages
 ])
 def test_choose_num_splits(batch, kv_heads, max_len, sms, align, want):
     assert decode.choose_num_splits(batch, kv_heads, max_len, sms, align) == want
