@@ -4,7 +4,8 @@
 #   bash benchmarks/gpu.sh suite [PYTEST ARGS]    the compiled test suite (default: tests)
 #   bash benchmarks/gpu.sh bench [BENCH ARGS]     python -m pallas_flash.bench, pipelined timer,
 #                                                 pallas_flash against cuDNN (flags given win)
-#   bash benchmarks/gpu.sh tune mosaic|triton [ARGS]   benchmarks/mosaic_tune.py or tune.py
+#   bash benchmarks/gpu.sh tune mosaic|triton|decode [ARGS]   benchmarks/mosaic_tune.py,
+#                                                 tune.py or decode_tune.py
 #   bash benchmarks/gpu.sh profile [COMMAND...]   Nsight Compute on the kernels of COMMAND
 #                                                 (default: one benchmark case)
 #   bash benchmarks/gpu.sh huge [ARGS]            benchmarks/huge_check.py (> 2**31 elements)
@@ -60,7 +61,9 @@ tune() {
               --out "$RESULTS" "$@" ;;
     triton) run_logged tune_triton "${LIMIT:-590}" python3 benchmarks/tune.py \
               --out "$RESULTS" "$@" ;;
-    *) echo "usage: gpu.sh tune mosaic|triton [ARGS]" >&2; return 2 ;;
+    decode) run_logged tune_decode "${LIMIT:-590}" python3 benchmarks/decode_tune.py \
+              --out "$RESULTS" "$@" ;;
+    *) echo "usage: gpu.sh tune mosaic|triton|decode [ARGS]" >&2; return 2 ;;
   esac
 }
 

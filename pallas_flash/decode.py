@@ -299,16 +299,20 @@ def _no_derivative(primals, tangents):
 
 
 @functools.lru_cache(maxsize=None)
-def _decode_fn(plan: DecodePlan, backend: str, has_sinks: bool):
+def _decode_fn(plan: DecodePlan, backend: str, has_sinks: bool, tiles=None):
     """One jitted function per static plan and backend; forward only (custom_jvp whose rule
-    raises, so jax.grad and jax.jvp stop with an explanation instead of a silent zero)."""
+    raises, so jax.grad and jax.jvp stop with an explanation instead of a silent zero).
+    tiles: the Mosaic kernel's DecodeTiles instead of its defaults (benchmarks/decode_tune.py).
+    """
+    extra = {} if tiles is None else {"tiles": tiles}
 
     @jax.custom_jvp
     def decode(q, k_cache, v_cache, kv_lengths, block_table, sinks):
         module = _backend_module(backend)
         lengths = jnp.clip(kv_lengths.astype(jnp.int32), 0, plan.max_len)
         q_packed = pack_queries(q, plan.kv_heads)
-        o_part, lse_part = module.partial(plan, q_packed, k_cache, v_cache, lengths, block_table)
+        o_part, lse_part = module.partial(plan, q_packed, k_cache, v_cache, lengths, block_table,
+                                          **extra)
         # With sinks the merged O is rescaled once more, so it stays float32 until then.
         out_dtype = jnp.float32 if has_sinks else plan.dtype
         if plan.num_splits == 1:

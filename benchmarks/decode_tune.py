@@ -1,0 +1,167 @@
+"""Split counts and tiles of the Mosaic decode kernel, swept on one GPU.
+
+    PYTHONPATH=. python3 benchmarks/decode_tune.py --cases 1x16kx32x8x128 --q-lens 1,4 \
+        --splits auto,8,16,32 --tiles default,64/2/1,64/4/1 --out DIR
+
+For every case (batch x context x q heads x kv heads x head_dim, bf16, every sequence holding its
+whole context, its q_len newest tokens attending bottom-right), q_len, split count and tiles
+(block_kv/stages/compute_wgs of `DecodeTiles`; "default" is `default_tiles`, "auto" splits are
+`choose_num_splits`'), it times
+  - the whole call: `decode_attention`'s jitted function with those tiles (Q packing, the partial
+    kernel, the combine, the unpacking), and
+  - the partial kernel alone (`pallas_flash.mosaic.decode.partial` on packed queries),
+each as `python -m pallas_flash.bench --decode` times a call: a jitted program of several calls,
+cycling over copies of the cache that outgrow the L2 cache together, divided by the calls; the
+median of 3 batches of --iters programs. A row gives microseconds per call and the K/V bytes read
+over that time against the copy bandwidth of the same run. A pair the kernel refuses (shared
+memory, block_kv against the chunk) is a row with the reason. Rows print as they complete and the
+JSON (<out>/decode_tune.json) is rewritten after each, so a run cut by its time limit keeps what
+it measured. docs/tuning.md ("Mosaic decode") says which defaults the numbers chose.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import statistics
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+from pallas_flash import decode  # noqa: E402
+from pallas_flash.bench import decode as bench_decode  # noqa: E402
+from pallas_flash.bench.report import git_commit  # noqa: E402
+from pallas_flash.bench.timing import time_calls  # noqa: E402
+from pallas_flash.mosaic import decode as mosaic_decode  # noqa: E402
+
+
+def parse_tiles(text: str) -> list[mosaic_decode.DecodeTiles | None]:
+    """'default' (None: the kernel's own choice) or block_kv/stages/compute_wgs, comma-separated."""
+    out = []
+    for item in (t.strip() for t in text.split(",") if t.strip()):
+        if item == "default":
+            out.append(None)
+            continue
+        block_kv, stages, wgs = (int(x) for x in item.split("/"))
+        out.append(mosaic_decode.DecodeTiles(block_kv, stages, wgs))
+    return out
+
+
+def parse_splits(text: str) -> list[int | None]:
+    """'auto' (None: choose_num_splits) or split counts, comma-separated."""
+    return [None if t.strip() == "auto" else int(t) for t in text.split(",") if t.strip()]
+
+
+def tiles_label(tiles) -> str:
+    return "default" if tiles is None else f"{tiles.block_kv}/{tiles.stages}/{tiles.compute_wgs}"
+
+
+def call_fns(q, k, v, lengths, num_splits, tiles):
+    """(plan, the tiles the kernel runs, whole call, partial kernel alone), or (plan, reason)
+    where the kernel refuses the pair."""
+    plan, _ = decode._validate(q, k, v, lengths, None, scale=None, softcap=None, window=None,
+                               sinks=None, return_lse=False, num_splits=num_splits,
+                               backend="mosaic", interpret=None)
+    ran = tiles or mosaic_decode.default_tiles(plan)
+    reason = mosaic_decode.unsupported_reason(plan, ran)
+    if reason is not None:
+        return plan, ran, reason
+    whole = decode._decode_fn(plan, "mosaic", False, tiles)
+
+    def full(q, k, v, lengths):
+        return whole(q, k, v, lengths, None, None)[0]
+
+    def partial(q, k, v, lengths):
+        return mosaic_decode.partial(plan, decode.pack_queries(q, plan.kv_heads), k, v,
+                                     lengths, None, tiles=tiles)[0]
+    return plan, ran, (full, partial)
+
+
+def program(fn, calls: int):
+    """calls of fn, call i on cache copy i % len(caches): one jitted program."""
+    def run(q, caches, lengths):
+        return tuple(fn(q, *caches[i % len(caches)], lengths) for i in range(calls))
+    return jax.jit(run)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--cases", default="1x16kx32x8x128",
+                   help="comma list of BATCHxCONTEXTxHQxHKVxD (context as 16k)")
+    p.add_argument("--q-lens", default="1", help="new tokens per sequence, comma list")
+    p.add_argument("--splits", default="auto", help="'auto' or split counts, comma list")
+    p.add_argument("--tiles", default="default",
+                   help="'default' or block_kv/stages/compute_wgs, comma list")
+    p.add_argument("--iters", type=int, default=10, help="programs per timed batch")
+    p.add_argument("--copy-mib", type=int, default=None,
+                   help="MiB of the copy-bandwidth buffer (default 4096 on a GPU, 64 on a CPU)")
+    p.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = p.parse_args(argv)
+    on_gpu = jax.default_backend() == "gpu"
+    # On a CPU (interpret mode) a smoke run: a program of two calls over two cache copies.
+    sizes = ((bench_decode.PROGRAM_BYTES, bench_decode.ROTATE_BYTES) if on_gpu else
+             (bench_decode.CPU_PROGRAM_BYTES, bench_decode.CPU_ROTATE_BYTES))
+    copy_bytes = (args.copy_mib << 20 if args.copy_mib else
+                  bench_decode.COPY_BYTES_GPU if on_gpu else bench_decode.COPY_BYTES_CPU)
+    path = os.path.join(args.out, "decode_tune.json")
+    record = {"meta": {"gpu": jax.devices()[0].device_kind, "jax_version": jax.__version__,
+                       "git_commit": git_commit(),
+                       "date_utc": time.strftime("%Y-%m-%dT%H:%M:%S+00:00", time.gmtime()),
+                       "argv": sys.argv[1:] if argv is None else list(argv),
+                       "dtype": "bf16", "iters": args.iters},
+              "copy": bench_decode.measure_copy(copy_bytes, args.iters, 2, True), "rows": []}
+    copy_gbps = record["copy"]["gbps"]
+    print(f"copy bandwidth {copy_gbps:.0f} GB/s", flush=True)
+
+    def emit(**row):
+        record["rows"].append(row)
+        print(" ".join(f"{k}={v}" for k, v in row.items()), flush=True)
+        with open(path, "w") as f:
+            json.dump(record, f, indent=1)
+
+    key = jax.random.key(0)
+    for b, ctx, hq, hkv, d in bench_decode.parse_cases(args.cases, smoke=False):
+        group = bench_decode.Group(b, ctx, hkv, d, (hq,))
+        k, v = bench_decode.make_cache(group, jnp.bfloat16, key)
+        kv_bytes = b * ctx * hkv * d * 2 * 2
+        calls, copies = bench_decode.calls_and_copies(kv_bytes, *sizes)
+        caches = bench_decode._copies(k, v, copies)
+        lengths = jnp.full((b,), ctx, jnp.int32)
+        for q_len, num_splits, tiles in itertools.product(
+                (int(x) for x in args.q_lens.split(",")), parse_splits(args.splits),
+                parse_tiles(args.tiles)):
+            q = jax.random.normal(jax.random.fold_in(key, q_len), (b, q_len, hq, d),
+                                  jnp.float32).astype(jnp.bfloat16)
+            plan, ran, fns = call_fns(q, k, v, lengths, num_splits, tiles)
+            base = dict(case=f"{b}x{ctx}x{hq}x{hkv}x{d}", q_len=q_len,
+                        splits="auto" if num_splits is None else num_splits,
+                        num_splits=plan.num_splits, tiles=tiles_label(tiles),
+                        ran=tiles_label(ran), calls=calls)
+            if isinstance(fns, str):
+                emit(**base, error=fns)
+                continue
+            row = dict(base)
+            for name, fn in zip(("call", "partial"), fns):
+                try:
+                    times, _ = time_calls(program(fn, calls), (q, caches, lengths), args.iters,
+                                          2, pipelined=True)
+                except Exception as e:  # noqa: BLE001 - a failing pair is a result row
+                    row[f"{name}_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+                    continue
+                t = statistics.median(times) / calls
+                row[f"{name}_us"] = round(t * 1e6, 2)
+                row[f"{name}_pct_of_copy"] = round(100 * kv_bytes / t / 1e9 / copy_gbps, 1)
+            emit(**row)
+    return record
+
+
+if __name__ == "__main__":
+    main()
