@@ -24,7 +24,7 @@ blocks all tiles see, one step behind the tile below.
 
 float16: dS (up to |dO| |V| + |D|) can pass float16's range, so it is cast twice, each time
 divided by a factor fixed before the kernel runs from a bound on |dS|, and multiplied back on
-the float32 sum: per key for dK (`dk_cast_scales`, read once per CTA, so a step pays one
+the float32 sum: per key for dK (`dk_cast_scales`, read once per warpgroup, so a step pays one
 multiply and no running maximum or rescale of dK), per query for dQ's product, which sums over
 the 128 keys of both warpgroups (`dq_cast_scales`, streamed as a fourth statistic).
 
@@ -493,7 +493,7 @@ def _fused(q, k, v, do, rows, *, spec: AttentionSpec, cfg):
     scales, extra = None, ()
     if jnp.dtype(dtype) == jnp.float16:
         # dQ's cast factors as the fourth statistic (as 1 / s), and undone on the sum; dK's as
-        # one more operand, read once per CTA.
+        # one more operand, read once per warpgroup.
         delta = rows[:, :, 2, :seq_q8]
         scales = dq_cast_scales(v, do, delta, group)
         inv = pad_seq(1.0 / scales, rows.shape[-1], axis=2, value=1.0)
