@@ -65,8 +65,8 @@ def tiles_label(tiles) -> str:
 
 
 def call_fns(q, k, v, lengths, num_splits, tiles):
-    """(plan, the tiles the kernel runs, whole call, partial kernel alone), or (plan, reason)
-    where the kernel refuses the pair."""
+    """(plan, the tiles the kernel runs, (whole call, partial kernel alone)), or (plan, those
+    tiles, the reason) where the kernel refuses the pair."""
     plan, _ = decode._validate(q, k, v, lengths, None, scale=None, softcap=None, window=None,
                                sinks=None, return_lse=False, num_splits=num_splits,
                                backend="mosaic", interpret=None)
@@ -135,11 +135,11 @@ def main(argv=None):
         calls, copies = bench_decode.calls_and_copies(kv_bytes, *sizes)
         caches = bench_decode._copies(k, v, copies)
         lengths = jnp.full((b,), ctx, jnp.int32)
-        for q_len, num_splits, tiles in itertools.product(
-                (int(x) for x in args.q_lens.split(",")), parse_splits(args.splits),
-                parse_tiles(args.tiles)):
-            q = jax.random.normal(jax.random.fold_in(key, q_len), (b, q_len, hq, d),
-                                  jnp.float32).astype(jnp.bfloat16)
+        queries = {q_len: jax.random.normal(jax.random.fold_in(key, q_len), (b, q_len, hq, d),
+                                            jnp.float32).astype(jnp.bfloat16)
+                   for q_len in (int(x) for x in args.q_lens.split(","))}
+        for (q_len, q), num_splits, tiles in itertools.product(
+                queries.items(), parse_splits(args.splits), parse_tiles(args.tiles)):
             plan, ran, fns = call_fns(q, k, v, lengths, num_splits, tiles)
             base = dict(case=f"{b}x{ctx}x{hq}x{hkv}x{d}", q_len=q_len,
                         splits="auto" if num_splits is None else num_splits,
