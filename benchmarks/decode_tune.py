@@ -12,7 +12,9 @@ whole context, its q_len newest tokens attending bottom-right), q_len, split cou
   - the partial kernel alone (`pallas_flash.mosaic.decode.partial` on packed queries),
 each as `python -m pallas_flash.bench --decode` times a call: a jitted program of several calls,
 cycling over copies of the cache that outgrow the L2 cache together, divided by the calls; the
-median of 3 batches of --iters programs. A row gives microseconds per call and the K/V bytes read
+median of 3 batches of --iters programs. Every call takes its own query argument, so that XLA
+cannot merge equal calls, and a case's programs are compiled ahead by --workers threads, with a
+compilation cache directory so that the Mosaic lowering cache lowers each kernel once. A row gives microseconds per call and the K/V bytes read
 over that time against the copy bandwidth of the same run. A pair the kernel refuses (shared
 memory, block_kv against the chunk) is a row with the reason. Rows print as they complete and the
 JSON (<out>/decode_tune.json) is rewritten after each, so a run cut by its time limit keeps what
@@ -22,11 +24,13 @@ it measured. docs/tuning.md ("Mosaic decode") says which defaults the numbers ch
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import itertools
 import json
 import os
 import statistics
 import sys
+import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -86,10 +90,26 @@ def call_fns(q, k, v, lengths, num_splits, tiles):
 
 
 def program(fn, calls: int):
-    """calls of fn, call i on cache copy i % len(caches): one jitted program."""
-    def run(q, caches, lengths):
-        return tuple(fn(q, *caches[i % len(caches)], lengths) for i in range(calls))
+    """calls of fn, call i on query qs[i] (its own argument, so that XLA cannot merge equal
+    calls) and cache copy i % len(caches): one jitted program."""
+    def run(qs, caches, lengths):
+        return tuple(fn(qs[i], *caches[i % len(caches)], lengths) for i in range(calls))
     return jax.jit(run)
+
+
+def compile_programs(jobs: dict, args: dict, workers: int) -> dict:
+    """{key: compiled program, or the exception it raised} for jobs {key: (fn, calls)} and
+    args {key: the program's arguments}, compiled ahead of time by `workers` threads (the
+    Mosaic and XLA compilers release the GIL for most of it)."""
+    def one(key):
+        fn, calls = jobs[key]
+        try:
+            return program(fn, calls).lower(*args[key]).compile()
+        except Exception as e:  # noqa: BLE001 - a failing pair is a result row
+            return e
+
+    with concurrent.futures.ThreadPoolExecutor(max(1, workers)) as pool:
+        return dict(zip(jobs, pool.map(one, jobs)))
 
 
 def main(argv=None):
@@ -103,8 +123,14 @@ def main(argv=None):
     p.add_argument("--iters", type=int, default=10, help="programs per timed batch")
     p.add_argument("--copy-mib", type=int, default=None,
                    help="MiB of the copy-bandwidth buffer (default 4096 on a GPU, 64 on a CPU)")
+    p.add_argument("--workers", type=int, default=min(8, os.cpu_count() or 1),
+                   help="threads compiling a case's programs ahead of timing")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     args = p.parse_args(argv)
+    if jax.config.jax_compilation_cache_dir is None:
+        # A program repeats one kernel `calls` times: with a cache directory, the Mosaic
+        # lowering cache (pallas_flash/mosaic/lowering_cache.py) lowers it once, not per call.
+        jax.config.update("jax_compilation_cache_dir", tempfile.mkdtemp(prefix="decode_tune"))
     on_gpu = jax.default_backend() == "gpu"
     # On a CPU (interpret mode) a smoke run: a program of two calls over two cache copies.
     sizes = ((bench_decode.PROGRAM_BYTES, bench_decode.ROTATE_BYTES) if on_gpu else
@@ -138,6 +164,7 @@ def main(argv=None):
         queries = {q_len: jax.random.normal(jax.random.fold_in(key, q_len), (b, q_len, hq, d),
                                             jnp.float32).astype(jnp.bfloat16)
                    for q_len in (int(x) for x in args.q_lens.split(","))}
+        pairs, jobs, job_args = [], {}, {}
         for (q_len, q), num_splits, tiles in itertools.product(
                 queries.items(), parse_splits(args.splits), parse_tiles(args.tiles)):
             plan, ran, fns = call_fns(q, k, v, lengths, num_splits, tiles)
@@ -145,14 +172,24 @@ def main(argv=None):
                         splits="auto" if num_splits is None else num_splits,
                         num_splits=plan.num_splits, tiles=tiles_label(tiles),
                         ran=tiles_label(ran), calls=calls)
+            pairs.append((len(pairs), base, q, fns))
+            if not isinstance(fns, str):
+                for name, fn in zip(("call", "partial"), fns):
+                    jobs[len(pairs) - 1, name] = (fn, calls)
+                    job_args[len(pairs) - 1, name] = ((q,) * calls, caches, lengths)
+        compiled = compile_programs(jobs, job_args, args.workers)
+        for index, base, q, fns in pairs:
             if isinstance(fns, str):
                 emit(**base, error=fns)
                 continue
             row = dict(base)
-            for name, fn in zip(("call", "partial"), fns):
+            for name in ("call", "partial"):
                 try:
-                    times, _ = time_calls(program(fn, calls), (q, caches, lengths), args.iters,
-                                          2, pipelined=True)
+                    fn = compiled[index, name]
+                    if isinstance(fn, Exception):
+                        raise fn
+                    times, _ = time_calls(fn, job_args[index, name], args.iters, 2,
+                                          pipelined=True)
                 except Exception as e:  # noqa: BLE001 - a failing pair is a result row
                     row[f"{name}_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
                     continue
