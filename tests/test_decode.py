@@ -100,6 +100,10 @@ CASES = [
                  id="f32-q16-sinks"),
     pytest.param(jnp.float32, 1, 16, 8, 1, 16, 128, 32, [100], dict(num_splits=2),
                  id="f32-paged-q16-gqa8-two-row-tiles"),
+    # More splits than the combine merges per round (COMBINE_SPLITS), the second sequence's
+    # keys ending inside the first round, and a head_dim that is not a power of two.
+    pytest.param(jnp.float32, 2, 2, 4, 2, 48, 1344, None, [1344, 300], dict(num_splits=21),
+                 id="f32-21-splits-two-combine-rounds"),
 ]
 
 

@@ -202,55 +202,61 @@ def partial(plan, q_packed, k_cache, v_cache, kv_lengths, block_table):
     )(*args)
 
 
-def _combine_kernel(o_ref, lse_ref, out_ref, out_lse_ref, *, plan, rows_pad: int,
-                    n_tiles: int, d_pad: int):
-    cols = common.column_mask(plan.head_dim, d_pad)
-    row_start = lax.rem(pl.program_id(1), jnp.int32(n_tiles)) * rows_pad
-    row_ok = _positions(row_start, rows_pad) < plan.rows
-    mask = row_ok[:, None] if cols is None else row_ok[:, None] & cols
-    rows, all_cols = pl.ds(row_start, rows_pad), pl.ds(jnp.int32(0), d_pad)
+def _combine_kernel(o_ref, lse_ref, out_ref, out_lse_ref, *, plan, split_block: int,
+                    d_pad: int):
+    # One packed row per program: its splits' lse and O rows are read split_block at a time,
+    # so a few splits need one round of loads, not one load after another per split.
+    row = lax.rem(pl.program_id(1), jnp.int32(plan.rows))
+    cols = jnp.arange(d_pad, dtype=jnp.int32) < plan.head_dim
+    all_cols = pl.ds(jnp.int32(0), d_pad)
 
-    def add(s, carry):
-        # The ring's merge, one split at a time against the running max: weights are taken
-        # against 0 while every split so far is empty, so exp(-inf) gives 0, never NaN.
+    def add(chunk, carry):
+        # The ring's merge against the running max, a block of splits at a time: weights are
+        # taken against 0 while every split so far is empty, so exp(-inf) gives 0, never NaN.
         acc, top, total = carry
-        part_lse = plgpu.load(lse_ref.at[s, rows], mask=row_ok, other=-jnp.inf)
-        part = plgpu.load(o_ref.at[s, rows, all_cols], mask=mask, other=0.0)
-        new_top = jnp.maximum(top, part_lse)
+        first = chunk * split_block
+        ok = _positions(first, split_block) < plan.num_splits
+        splits = pl.ds(first, split_block)
+        part_lse = plgpu.load(lse_ref.at[splits, row], mask=ok, other=-jnp.inf)
+        part = plgpu.load(o_ref.at[splits, row, all_cols], mask=ok[:, None] & cols[None, :],
+                          other=0.0)
+        new_top = jnp.maximum(top, jnp.max(part_lse))
         anchor = jnp.where(new_top == -jnp.inf, 0.0, new_top)
         old = jnp.exp(top - anchor)
         weight = jnp.exp(part_lse - anchor)
-        return (acc * old[:, None] + part * weight[:, None], new_top,
-                total * old + weight)
+        return (acc * old + jnp.sum(part * weight[:, None], axis=0), new_top,
+                total * old + jnp.sum(weight))
 
-    init = (jnp.zeros((rows_pad, d_pad), jnp.float32),
-            jnp.full((rows_pad,), -jnp.inf, jnp.float32),
-            jnp.zeros((rows_pad,), jnp.float32))
-    acc, top, total = lax.fori_loop(0, plan.num_splits, add, init)
+    init = (jnp.zeros((d_pad,), jnp.float32), jnp.float32(-jnp.inf), jnp.float32(0.0))
+    acc, top, total = lax.fori_loop(0, pl.cdiv(plan.num_splits, split_block), add, init)
     seen = total > 0
-    out = acc / jnp.where(seen, total, 1.0)[:, None]
-    common.store_tile(out_ref, row_start, rows_pad, plan.rows, cols, out)
+    out = acc / jnp.where(seen, total, 1.0)
+    plgpu.store(out_ref.at[row, all_cols], out.astype(out_ref.dtype), mask=cols)
     lse = jnp.where(seen, jnp.where(seen, top, 0.0) + jnp.log(jnp.where(seen, total, 1.0)),
                     -jnp.inf)
-    plgpu.store(out_lse_ref.at[rows], lse, mask=row_ok)
+    plgpu.store(out_lse_ref.at[pl.ds(row, 1)], lse[None])
+
+
+# Splits merged per round of loads in the combine: 16 rows of O (8 KB at head_dim 128) stay in
+# registers, and the default split counts need a single round.
+COMBINE_SPLITS = 16
 
 
 def combine(plan, o_part, lse_part, out_dtype):
     """(O [batch, kv_heads, rows, head_dim] in out_dtype, lse float32 [batch, kv_heads, rows])
     from the per-split partials."""
-    rows_pad, n_tiles = row_tiling(plan)
     d_pad = common.padded_head_dim(plan.head_dim)
-    kernel = functools.partial(_combine_kernel, plan=plan, rows_pad=rows_pad, n_tiles=n_tiles,
-                               d_pad=d_pad)
+    split_block = min(COMBINE_SPLITS, pl.next_power_of_2(plan.num_splits))
+    kernel = functools.partial(_combine_kernel, plan=plan, split_block=split_block, d_pad=d_pad)
     s, rows = plan.num_splits, plan.rows
     return pl.pallas_call(
         kernel,
-        grid=(plan.batch, plan.kv_heads * n_tiles),
+        grid=(plan.batch, plan.kv_heads * rows),
         in_specs=[pl.BlockSpec((None, None, s, rows, d_pad),
-                               lambda b, i: (b, i // n_tiles, 0, 0, 0)),
-                  pl.BlockSpec((None, None, s, rows), lambda b, i: (b, i // n_tiles, 0, 0))],
-        out_specs=[pl.BlockSpec((None, None, rows, d_pad), lambda b, i: (b, i // n_tiles, 0, 0)),
-                   pl.BlockSpec((None, None, rows), lambda b, i: (b, i // n_tiles, 0))],
+                               lambda b, i: (b, i // rows, 0, 0, 0)),
+                  pl.BlockSpec((None, None, s, rows), lambda b, i: (b, i // rows, 0, 0))],
+        out_specs=[pl.BlockSpec((None, None, rows, d_pad), lambda b, i: (b, i // rows, 0, 0)),
+                   pl.BlockSpec((None, None, rows), lambda b, i: (b, i // rows, 0))],
         out_shape=[jax.ShapeDtypeStruct((plan.batch, plan.kv_heads, rows, plan.head_dim),
                                         out_dtype),
                    jax.ShapeDtypeStruct((plan.batch, plan.kv_heads, rows), lse_part.dtype)],
