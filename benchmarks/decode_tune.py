@@ -12,11 +12,12 @@ whole context, its q_len newest tokens attending bottom-right), q_len, split cou
   - the partial kernel alone (`pallas_flash.mosaic.decode.partial` on packed queries),
 each as `python -m pallas_flash.bench --decode` times a call: a jitted program of several calls,
 cycling over copies of the cache that outgrow the L2 cache together, divided by the calls; the
-median of 3 batches of --iters programs. Every call takes its own query argument, so that XLA
-cannot merge equal calls, and a case's programs are compiled ahead by --workers threads, with a
-compilation cache directory so that the Mosaic lowering cache lowers each kernel once. A row gives microseconds per call and the K/V bytes read
-over that time against the copy bandwidth of the same run. A pair the kernel refuses (shared
-memory, block_kv against the chunk) is a row with the reason. Rows print as they complete and the
+median of 3 batches of --iters programs (`pallas_flash.bench.decode.repeated`: every call takes
+its own query argument, so that XLA cannot merge equal calls). A case's programs are compiled
+ahead by --workers threads, with a compilation cache directory, so that the Mosaic lowering
+cache lowers each kernel once. A row gives microseconds per call and the K/V bytes read over
+that time against the copy bandwidth of the same run. A pair the kernel refuses (shared memory,
+block_kv against the chunk) is a row with the reason. Rows print as they complete and the
 JSON (<out>/decode_tune.json) is rewritten after each, so a run cut by its time limit keeps what
 it measured. docs/tuning.md ("Mosaic decode") says which defaults the numbers chose.
 """
@@ -24,7 +25,6 @@ it measured. docs/tuning.md ("Mosaic decode") says which defaults the numbers ch
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
 import itertools
 import json
 import os
@@ -89,29 +89,6 @@ def call_fns(q, k, v, lengths, num_splits, tiles):
     return plan, ran, (full, partial)
 
 
-def program(fn, calls: int):
-    """calls of fn, call i on query qs[i] (its own argument, so that XLA cannot merge equal
-    calls) and cache copy i % len(caches): one jitted program."""
-    def run(qs, caches, lengths):
-        return tuple(fn(qs[i], *caches[i % len(caches)], lengths) for i in range(calls))
-    return jax.jit(run)
-
-
-def compile_programs(jobs: dict, args: dict, workers: int) -> dict:
-    """{key: compiled program, or the exception it raised} for jobs {key: (fn, calls)} and
-    args {key: the program's arguments}, compiled ahead of time by `workers` threads (the
-    Mosaic and XLA compilers release the GIL for most of it)."""
-    def one(key):
-        fn, calls = jobs[key]
-        try:
-            return program(fn, calls).lower(*args[key]).compile()
-        except Exception as e:  # noqa: BLE001 - a failing pair is a result row
-            return e
-
-    with concurrent.futures.ThreadPoolExecutor(max(1, workers)) as pool:
-        return dict(zip(jobs, pool.map(one, jobs)))
-
-
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--cases", default="1x16kx32x8x128",
@@ -164,7 +141,7 @@ def main(argv=None):
         queries = {q_len: jax.random.normal(jax.random.fold_in(key, q_len), (b, q_len, hq, d),
                                             jnp.float32).astype(jnp.bfloat16)
                    for q_len in (int(x) for x in args.q_lens.split(","))}
-        pairs, jobs, job_args = [], {}, {}
+        pairs, jobs = [], {}
         for (q_len, q), num_splits, tiles in itertools.product(
                 queries.items(), parse_splits(args.splits), parse_tiles(args.tiles)):
             plan, ran, fns = call_fns(q, k, v, lengths, num_splits, tiles)
@@ -175,9 +152,9 @@ def main(argv=None):
             pairs.append((len(pairs), base, q, fns))
             if not isinstance(fns, str):
                 for name, fn in zip(("call", "partial"), fns):
-                    jobs[len(pairs) - 1, name] = (fn, calls)
-                    job_args[len(pairs) - 1, name] = ((q,) * calls, caches, lengths)
-        compiled = compile_programs(jobs, job_args, args.workers)
+                    jobs[len(pairs) - 1, name] = (bench_decode.repeated(fn, calls),
+                                                  ((q,) * calls, caches, lengths))
+        compiled = bench_decode.compile_all(jobs, args.workers)
         for index, base, q, fns in pairs:
             if isinstance(fns, str):
                 emit(**base, error=fns)
@@ -188,7 +165,7 @@ def main(argv=None):
                     fn = compiled[index, name]
                     if isinstance(fn, Exception):
                         raise fn
-                    times, _ = time_calls(fn, job_args[index, name], args.iters, 2,
+                    times, _ = time_calls(fn, jobs[index, name][1], args.iters, 2,
                                           pipelined=True)
                 except Exception as e:  # noqa: BLE001 - a failing pair is a result row
                     row[f"{name}_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"

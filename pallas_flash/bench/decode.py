@@ -264,28 +264,33 @@ def calls_and_copies(kv_bytes: int, program_bytes: int = PROGRAM_BYTES,
     return calls, min(calls, MAX_COPIES, max(1, -(-rotate_bytes // kv_bytes)))
 
 
-def program(name: str, calls: int) -> Callable:
-    """fn(qs, caches, kv_lengths, block_table) -> outs: `calls` calls of an implementation,
-    call i on query qs[i] and cache copy caches[i % len(caches)] (a (k, v) pair)."""
-    fn = IMPLS[name]
-
-    def run(qs, caches, kv_lengths, block_table):
-        return tuple(fn(qs[i], *caches[i % len(caches)], kv_lengths, block_table)
+def repeated(fn: Callable, calls: int) -> Callable:
+    """run(qs, caches, kv_lengths, *rest) -> outs: `calls` calls of fn, call i on query qs[i]
+    (its own argument, so that XLA cannot merge equal calls) and cache copy
+    caches[i % len(caches)] (a (k, v) pair)."""
+    def run(qs, caches, kv_lengths, *rest):
+        return tuple(fn(qs[i], *caches[i % len(caches)], kv_lengths, *rest)
                      for i in range(calls))
     return run
 
 
+def program(name: str, calls: int) -> Callable:
+    """fn(qs, caches, kv_lengths, block_table) -> outs: `calls` calls of an implementation
+    (`repeated`)."""
+    return repeated(IMPLS[name], calls)
+
+
 def compile_all(jobs: dict, workers: int) -> dict:
     """{key: compiled program, or the exception its tracing or compilation raised} for jobs
-    {key: (implementation name, calls, argument shapes)}, compiled ahead of time by `workers`
-    threads.
+    {key: (program function, its arguments or their shapes)}, compiled ahead of time by
+    `workers` threads.
 
     Every case is a new shape, so compilation, not the millisecond calls, is most of the run's
     time; XLA and the Triton and Mosaic GPU compilers release the GIL for most of it."""
     def one(job):
-        name, calls, structs = job
+        fn, args = job
         try:
-            return jax.jit(program(name, calls)).lower(*structs).compile()
+            return jax.jit(fn).lower(*args).compile()
         except Exception as e:  # noqa: BLE001 - reported as the row's result
             return e
 
@@ -332,7 +337,7 @@ def run_group(group: Group, impls: list[str], opts, copy_gbps: float, key) -> di
         qs_s = (shape((b, q_len, hq, d), dtype),) * calls
         for layout in LAYOUTS:
             for name in (n for n in impls if layout == "contiguous" or n in OURS):
-                jobs[hq, q_len, layout, name] = (name, calls, (
+                jobs[hq, q_len, layout, name] = (program(name, calls), (
                     qs_s, caches_s[layout], lengths_s, table_s if layout == "paged" else None))
     compiled = compile_all(jobs, opts.compile_workers)
     compile_s = time.perf_counter() - start
