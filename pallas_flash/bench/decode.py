@@ -266,11 +266,22 @@ def calls_and_copies(kv_bytes: int, program_bytes: int = PROGRAM_BYTES,
 
 def repeated(fn: Callable, calls: int) -> Callable:
     """run(qs, caches, kv_lengths, *rest) -> outs: `calls` calls of fn, call i on query qs[i]
-    (its own argument, so that XLA cannot merge equal calls) and cache copy
-    caches[i % len(caches)] (a (k, v) pair)."""
+    and cache copy caches[i % len(caches)] (a (k, v) pair).
+
+    Each call's query is its own argument, so that XLA cannot merge equal calls, and it passes
+    through an optimization barrier together with the previous call's output, so that every
+    call depends on the one before: calls that share a cache copy then cannot be merged either
+    (XLA's dot merger would otherwise turn the products of several queries with one cached K
+    into one product that reads K once, which no real decoding step can do)."""
     def run(qs, caches, kv_lengths, *rest):
-        return tuple(fn(qs[i], *caches[i % len(caches)], kv_lengths, *rest)
-                     for i in range(calls))
+        outs, prev = [], None
+        for i in range(calls):
+            q = qs[i]
+            if prev is not None:
+                q, _ = jax.lax.optimization_barrier((q, prev))
+            prev = fn(q, *caches[i % len(caches)], kv_lengths, *rest)
+            outs.append(prev)
+        return tuple(outs)
     return run
 
 

@@ -232,3 +232,33 @@ def test_decode_argument_errors(argv, message, capsys, tmp_path):
     with pytest.raises(SystemExit):
         main(argv + ["--out", str(tmp_path)])
     assert message in capsys.readouterr().err
+
+
+def test_repeated_calls_are_chained_not_merged():
+    """Calls sharing a cache copy each depend on the previous call's output (through an
+    optimization barrier), so XLA cannot merge their products into one read of the cache; the
+    outputs are those of independent calls."""
+    calls, copies = 5, 2
+    keys = jax.random.split(jax.random.key(3), calls + 2 * copies)
+    qs = [jax.random.normal(k, (1, 1, 4, 8)) for k in keys[:calls]]
+    caches = [(jax.random.normal(keys[calls + 2 * c], (1, 16, 4, 8)),
+               jax.random.normal(keys[calls + 2 * c + 1], (1, 16, 4, 8)))
+              for c in range(copies)]
+
+    def fn(q, k, v, lengths):
+        del lengths
+        return jnp.einsum("bqhd,bkhd->bqhk", q, k) @ v[0, :, 0, :]
+
+    run = decode.repeated(fn, calls)
+    lengths = jnp.full((1,), 16, jnp.int32)
+    jaxpr = jax.make_jaxpr(run)(qs, caches, lengths).jaxpr
+    barriers = [e for e in jaxpr.eqns if e.primitive.name == "optimization_barrier"]
+    assert len(barriers) == calls - 1
+    # Each barrier takes the previous call's output alongside the next call's query.
+    produced = {v for e in jaxpr.eqns if e.primitive.name != "optimization_barrier"
+                for v in e.outvars}
+    assert all(any(v in produced for v in e.invars) for e in barriers)
+    outs = jax.jit(run)(qs, caches, lengths)
+    for i, out in enumerate(outs):
+        want = fn(qs[i], *caches[i % copies], lengths)
+        np.testing.assert_allclose(np.asarray(out), np.asarray(want), rtol=1e-6, atol=1e-6)
