@@ -72,3 +72,22 @@ def test_no_module_has_grown_two_jobs():
             if n > MAX_MODULE_LINES:
                 long.append(f"{name}: {n} lines")
     assert not long, "split these modules:\n" + "\n".join(long)
+
+
+def _version(text: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in text.split("."))
+
+
+def test_ci_runs_both_ends_of_the_jax_range():
+    """pyproject's jax range starts at the version the README's test command pins and ends
+    above the newest version .ci/run also tests, so every end of the range is one CI ran."""
+    with open(os.path.join(ROOT, "pyproject.toml")) as f:
+        project = f.read()
+    with open(os.path.join(ROOT, ".ci", "run")) as f:
+        ci = f.read()
+    for package in ("jax", "jaxlib"):
+        low, high = re.search(rf'"{package}>=([0-9.]+),<([0-9.]+)"', project).groups()
+        assert f'"{package}=={low}"' in project, f"[test] must pin {package} at {low}"
+        newest = re.search(r"^NEWEST_JAX=([0-9.]+)$", ci, re.MULTILINE).group(1)
+        assert _version(low) < _version(newest) < _version(high), (low, newest, high)
+        assert f'"{package}==$NEWEST_JAX"' in ci
