@@ -148,6 +148,16 @@ def split_geometry(max_len: int, num_splits: int, align: int) -> tuple[int, int]
     return -(-max_len // chunk), chunk
 
 
+def fills_one_wave(plan: DecodePlan, num_sms: int) -> bool:
+    """Whether the plan's grid of batch * kv_heads * num_splits programs fits one per SM.
+
+    "auto" takes the Mosaic kernel only there: one CTA per SM streaming a long chunk is where
+    its deeper copy pipeline wins (docs/tuning.md, "Mosaic or Triton"). Past one wave its CTAs,
+    one per SM, run in several waves, and the Triton kernel was measured faster.
+    """
+    return plan.batch * plan.kv_heads * plan.num_splits <= num_sms
+
+
 def _sm_count() -> int:
     return int(getattr(jax.devices()[0], "core_count", 0) or HOPPER_SMS)
 
@@ -256,7 +266,7 @@ def _choose_backend(backend: str, plan: DecodePlan) -> str:
             return "triton"
         mosaic = _mosaic_module()
         served = mosaic is not None and mosaic.unsupported_reason(plan) is None
-        return "mosaic" if served else "triton"
+        return "mosaic" if served and fills_one_wave(plan, _sm_count()) else "triton"
     mosaic = _mosaic_module()
     if mosaic is None:
         raise ValueError("backend='mosaic' has no decode kernel in this installation; "
@@ -403,8 +413,9 @@ def decode_attention(
       sinks: float [q_heads] sink logits (gpt-oss), as in flash_attention.
       return_lse: also return lse [batch, q_heads, q_len], float32, natural log.
       num_splits: at most this many key chunks per sequence; default by `choose_num_splits`.
-      backend: "auto" (the Mosaic kernel on an sm_90 GPU where it serves the call, else
-        Triton), "triton" or "mosaic" (ValueError when it cannot serve the call).
+      backend: "auto" (the Mosaic kernel on an sm_90 GPU where it serves the call and the
+        grid is at most one program per SM, else Triton), "triton" or "mosaic" (ValueError
+        when it cannot serve the call).
       interpret: Pallas interpret mode; default: True exactly when JAX has no GPU.
 
     Returns:

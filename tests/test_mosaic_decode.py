@@ -226,6 +226,23 @@ def test_auto_sends_other_head_dims_to_triton_on_hopper(monkeypatch, head_dim, b
     assert decode._choose_backend("auto", _plan(head_dim=head_dim)) == backend
 
 
+@pytest.mark.parametrize("batch,kv_heads,num_splits,backend", [
+    (1, 8, 16, "mosaic"),    # 128 programs: one wave on 132 SMs
+    (4, 8, 4, "mosaic"),
+    (1, 8, 17, "triton"),    # 136 programs: a second, nearly empty wave
+    (16, 8, 3, "triton"),
+    (64, 8, 1, "triton"),
+])
+def test_auto_takes_mosaic_only_for_one_wave(monkeypatch, batch, kv_heads, num_splits, backend):
+    monkeypatch.setattr(decode.attention, "_is_sm90", lambda: True)
+    monkeypatch.setattr(decode, "_sm_count", lambda: 132)
+    plan = _plan(batch=batch, kv_heads=kv_heads, q_heads=4 * kv_heads, num_splits=num_splits,
+                 max_len=256 * num_splits)
+    assert decode._choose_backend("auto", plan) == backend
+    # An explicit backend is never overridden.
+    assert decode._choose_backend("mosaic", plan) == "mosaic"
+
+
 def test_tiles_over_shared_memory_are_refused():
     plan = _plan(head_dim=256)
     tiles = mosaic.DecodeTiles(block_kv=64, stages=8, compute_wgs=2)

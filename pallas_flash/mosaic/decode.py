@@ -8,9 +8,10 @@ Grid: (row tile * num_splits + split, kv head, batch). A CTA owns `compute_wgs` 
 of the packed query rows (one wgmma M tile each; Q's rows are zero-padded to whole pieces and
 only rows below plan.rows are stored, so the tensor cores' spare rows cost no bandwidth) and
 one copy warpgroup that streams the split's K and V blocks of `block_kv` keys through `stages`
-shared-memory slots. Decoding is bandwidth-bound: the tiles keep about 128 KB of K / V in
-flight per SM, in two CTAs per SM where that fits half the shared memory (one CTA's softmax
-then overlaps the other's copies), else in one.
+shared-memory slots. Decoding is bandwidth-bound: the slots are sized so that two CTAs would
+keep about 128 KB of K / V in flight per SM, but at about 180 registers a thread only one CTA
+fits an SM's register file, so 64 KB are (more stages measured no faster; docs/tuning.md).
+"auto" sends grids of more than one program per SM to the Triton kernel.
 
 Blocks: contiguous caches are cut into block_kv rows at position j * block_kv. Paged caches
 read one page per copy: a block of several pages takes one copy per page into consecutive
@@ -100,7 +101,7 @@ def _o_cols(head_dim: int) -> int:
     if head_dim <= _O_COLS:
         return head_dim
     return next(w for w in (_O_COLS, 32, 16) if head_dim % w == 0)
-# Shared memory of each of two CTAs resident on one SM (the hardware keeps 1 KB per CTA).
+# Half an SM's shared memory (the hardware keeps 1 KB per CTA): the tiles' size target.
 _HALF_SM = (SMEM_LIMIT - 1024) // 2
 
 
@@ -114,8 +115,8 @@ def default_tiles(plan) -> DecodeTiles:
     # shared memory of two Q tiles and two K / V slots does not fit at once).
     compute_wgs = 2 if plan.rows > WG_ROWS and plan.head_dim <= 128 else 1
     slot = 2 * block_kv * plan.head_dim * itemsize
-    # Two CTAs a SM where half the bytes in flight fit half its shared memory: one CTA's
-    # softmax then overlaps the other's copies and products. Else one CTA with all of them.
+    # Slots sized for two CTAs a SM where they fit half its shared memory (registers keep one
+    # resident; measured at least as fast as more stages), else one CTA's worth.
     pair = DecodeTiles(block_kv, max(2, _SM_IN_FLIGHT // 2 // slot), compute_wgs)
     if pair.smem_bytes(plan.head_dim, itemsize) <= _HALF_SM:
         return pair
