@@ -14,6 +14,8 @@
 #                                                 transfers run under its kernels, from a trace)
 #   bash benchmarks/gpu.sh train-step [ARGS]      python -m pallas_flash.bench.train_step (a
 #                                                 Llama-style training step, attention swapped)
+#   bash benchmarks/gpu.sh decode-trace [ARGS]    benchmarks/decode_trace.py (the kernels of one
+#                                                 decoding step and their times, from a trace)
 #
 # Logs go to $OUT/NAME.log and results to $OUT/results (gpu_common.sh). Settings, from the
 # environment: LIMIT, the seconds a job may run (590). suite: WORKERS pytest-xdist workers
@@ -95,6 +97,10 @@ scaling() {
     run_logged scaling "${LIMIT:-590}" python3 benchmarks/scaling.py --out "$RESULTS" "$@"
 }
 
+decode_trace() {
+  run_logged decode_trace "${LIMIT:-590}" python3 benchmarks/decode_trace.py --out "$RESULTS" "$@"
+}
+
 ring_trace() {
   run_logged ring_trace "${LIMIT:-590}" python3 benchmarks/ring_trace.py --out "$RESULTS" "$@"
 }
@@ -102,7 +108,7 @@ ring_trace() {
 COMMAND=${1:-}
 shift || true
 case "$COMMAND" in
-  suite|bench|tune|profile|huge|scaling|train-step|ring-trace)
+  suite|bench|tune|profile|huge|scaling|train-step|ring-trace|decode-trace)
     source "$(dirname "$0")/gpu_common.sh"
     record_gpus
     "${COMMAND//-/_}" "$@"

@@ -5,8 +5,10 @@ softmax-normalised O (float32 [batch, kv_heads, num_splits, rows, head_dim]) and
 lse (float32 [batch, kv_heads, num_splits, rows]); the caller merges the splits.
 
 Grid: (row tile * num_splits + split, kv head, batch). A CTA owns `compute_wgs` 64-row pieces
-of the packed query rows (one wgmma M tile each; Q's rows are zero-padded to whole pieces and
-only rows below plan.rows are stored, so the tensor cores' spare rows cost no bandwidth) and
+of the packed query rows (one wgmma M tile each). Q is read in place: a piece's rows past
+plan.rows lie outside the array (rounded up to 8 rows where it has more), which the TMA fills
+with zeros, and only rows below plan.rows are stored (rows never mix, so the spare rows cost
+neither bandwidth nor, in the common cases, a padding pass) and
 one copy warpgroup that streams the split's K and V blocks of `block_kv` keys through `stages`
 shared-memory slots. Decoding is bandwidth-bound: the slots are sized so that two CTAs would
 keep about 128 KB of K / V in flight per SM, but at about 180 registers a thread only one CTA
@@ -427,10 +429,15 @@ def partial(plan, q_packed, k_cache, v_cache, kv_lengths, block_table, *,
         interpret=plgpu.InterpretGPUParams() if plan.interpret else None,
         kernel_name=KERNEL_NAME,
     )
-    # Q's rows padded to whole 64-row pieces (a few KB, fused into the packing by XLA), so
-    # every Q load is in bounds too; the padding rows are never stored.
-    q = jnp.pad(q_packed, ((0, 0), (0, 0), (0, n_tiles * wgs * WG_ROWS - rows), (0, 0)))
-    q = q.reshape(batch * kv_heads, n_tiles * wgs * WG_ROWS, head_dim)
+    # Not padded to whole 64-row pieces: the TMA zero-fills a piece's rows past `rows`, and a
+    # padding fusion would be one more launch in every decoding step's chain of kernels. Mosaic
+    # GPU's TMA takes an axis of more than 8 rows only in whole 8-row tiles, so such rows (q_len
+    # 3 at GQA 4, say) are padded to the next multiple of 8.
+    q_rows = rows if rows <= 8 else -(-rows // 8) * 8
+    q = q_packed
+    if q_rows > rows:
+        q = jnp.pad(q, ((0, 0), (0, 0), (0, q_rows - rows), (0, 0)))
+    q = q.reshape(batch * kv_heads, q_rows, head_dim)
     args = [q, k_cache, v_cache, kv_lengths.astype(jnp.int32)]
     if plan.paged:
         args.append(block_table.astype(jnp.int32))
