@@ -48,7 +48,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_flash.mosaic.common import (SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS, exp2_tanh,
                                        stream_through_slots)
 from pallas_flash.mosaic.config import SMEM_LIMIT, SMEM_RESERVED, WG_ROWS
-from pallas_flash.mosaic.tiles import product
+from pallas_flash.mosaic.tiles import accumulate, product
 from pallas_flash.stats import LOG2E
 
 __all__ = ["KERNEL_NAME", "DecodeTiles", "default_tiles", "partial", "unsupported_reason"]
@@ -69,6 +69,7 @@ class DecodeTiles:
     block_kv: int
     stages: int
     compute_wgs: int
+    keys_as_m: bool = False   # S^T = K Q^T and O^T += V^T P^T, the rows as wgmma N (<= 64)
 
     def __post_init__(self):
         if self.block_kv % 64 or not 64 <= self.block_kv <= 256:
@@ -81,6 +82,10 @@ class DecodeTiles:
     def smem_bytes(self, head_dim: int, itemsize: int = 2) -> int:
         rows = self.compute_wgs * WG_ROWS
         kv = 2 * self.stages * self.block_kv * head_dim * itemsize
+        if self.keys_as_m:
+            # Q and P (at most 64 columns), O^T and lse in float32.
+            return (kv + WG_ROWS * (head_dim + self.block_kv) * itemsize
+                    + WG_ROWS * head_dim * 4 + WG_ROWS * 4 + SMEM_RESERVED)
         # Q in the input dtype; O and lse staged in float32 for their TMA stores.
         own = rows * head_dim * itemsize + rows * _o_cols(head_dim) * 4 + rows * 4
         return kv + own + SMEM_RESERVED
@@ -107,9 +112,19 @@ def _o_cols(head_dim: int) -> int:
 _HALF_SM = (SMEM_LIMIT - 1024) // 2
 
 
+def keys_n(rows: int) -> int:
+    """The wgmma N of the keys-as-M orientation: the packed rows, rounded up to 8."""
+    return -(-rows // 8) * 8
+
+
 def default_tiles(plan) -> DecodeTiles:
     """The decode tiles for `plan` (docs/tuning.md has the reasons)."""
     itemsize = jnp.dtype(plan.dtype).itemsize
+    # O^T's rows are head_dim, a wgmma M: whole 64s.
+    if plan.rows <= WG_ROWS and plan.head_dim % 64 == 0:
+        tiles = DecodeTiles(64, 2, 1, keys_as_m=True)
+        if tiles.smem_bytes(plan.head_dim, itemsize) <= SMEM_LIMIT:
+            return tiles
     # 64 keys a block, 128 at head_dim 64: 16 KB copies, and every chunk is a whole number of
     # blocks (a chunk is a multiple of 64 keys).
     block_kv = 128 if plan.head_dim <= 64 and plan.chunk % 128 == 0 else 64
@@ -136,6 +151,9 @@ def unsupported_reason(plan, tiles: DecodeTiles | None = None) -> str | None:
     if plan.head_dim not in DECODE_HEAD_DIMS:
         return f"mosaic decode: head_dim {plan.head_dim} (only {DECODE_HEAD_DIMS})"
     tiles = tiles or default_tiles(plan)
+    if tiles.keys_as_m and (plan.rows > WG_ROWS or plan.head_dim % 64 or tiles.compute_wgs > 1):
+        return (f"mosaic decode: keys_as_m needs at most {WG_ROWS} rows, head_dim a multiple "
+                f"of 64 and one compute warpgroup (rows {plan.rows}, head_dim {plan.head_dim})")
     if plan.chunk % tiles.block_kv:
         return f"mosaic decode: chunk {plan.chunk} is not a multiple of block_kv {tiles.block_kv}"
     if plan.paged and (max(plan.page_size, tiles.block_kv)
@@ -162,6 +180,106 @@ def _clip(x, lo, hi):
     return jnp.minimum(jnp.maximum(x, lo), hi)
 
 
+def _bcast_cols(x, shape):
+    return lax.broadcast_in_dim(x, shape, [1])
+
+
+def _compute_keys_as_m(*, plan, tiles, q_ref, o_ref, lse_ref, q_smem, k_smem, v_smem, p_smem,
+                       o_smem, lse_smem, q_loaded, k_loaded, v_loaded, free, wg, batch, kv_head,
+                       split, kv_len, key_lo, key_hi, lo, hi, n_steps):
+    """The compute warpgroup with keys as the wgmma M axis and the n packed rows as N:
+    S^T = K Q^T [block_kv, n], each row's softmax over axis 0, O^T += V^T P^T [head_dim, n]
+    (P^T through shared memory, wgmma's B operand). The rows past plan.rows see whatever the
+    TMA filled Q with and are never stored."""
+    block_kv, stages = tiles.block_kv, tiles.stages
+    head_dim, q_len, group = plan.head_dim, plan.q_len, plan.group
+    n = keys_n(plan.rows)
+    dtype = q_ref.dtype
+    logit_scale = plan.scale if plan.softcap is None else plan.softcap
+    c = logit_scale * LOG2E
+
+    @pl.when(wg == 0)
+    def _compute():
+        plgpu.copy_gmem_to_smem(q_ref.at[batch * plan.kv_heads + kv_head, pl.ds(0, n)],
+                                q_smem.at[0], q_loaded.at[0])
+        need = key_lo
+        if plan.window_left is not None:
+            need = jnp.maximum(need, kv_len - 1 - plan.window_left)
+        last_full = jnp.minimum(key_hi, kv_len - q_len + 1)
+        full_lo = _clip(lax.div(jnp.maximum(need, 0) + (block_kv - 1), jnp.int32(block_kv)),
+                        lo, hi)
+        full_hi = _clip(lax.div(jnp.maximum(last_full, 0), jnp.int32(block_kv)), full_lo, hi)
+        seen_hi = jnp.minimum(key_hi, lax.div(plan.rows - 1, group) + (kv_len - q_len + 1))
+        seen_lo = key_lo
+        if plan.window_left is not None:
+            seen_lo = jnp.maximum(seen_lo, kv_len - q_len - plan.window_left)
+
+        def step(i, carry, masked: bool):
+            acc, m, l = carry
+            j = lo + i
+            slot = lax.rem(i, jnp.int32(stages))
+            plgpu.barrier_wait(k_loaded.at[slot])
+
+            def logits(s_ref):
+                plgpu.wgmma(s_ref, k_smem.at[slot], q_smem.at[0].T)
+                return s_ref[...]
+
+            s = pl.run_scoped(logits, plgpu.ACC((block_kv, n), jnp.float32))
+            if plan.softcap is not None:
+                s = exp2_tanh(s * (plan.scale / plan.softcap))
+            if masked:
+                shape = (block_kv, n)
+                key = plgpu.broadcasted_iota(jnp.int32, shape, 0,
+                                             layout=plgpu.Layout.WGMMA) + j * block_kv
+                row = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
+                q_pos = lax.div(row, jnp.int32(group)) + (kv_len - q_len)
+                ok = (key >= key_lo) & (key < key_hi) & (key <= q_pos)
+                if plan.window_left is not None:
+                    ok = ok & (key >= q_pos - plan.window_left)
+                s = jnp.where(ok, s, -jnp.inf)
+            m_new = jnp.maximum(m, jnp.max(s, axis=0))
+            m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+            alpha = jnp.exp2((m - m_safe) * c)
+            p = jnp.exp2(s * c - _bcast_cols(m_safe * c, s.shape))
+            l = l * alpha + jnp.sum(p, axis=0)
+            acc = acc * _bcast_cols(alpha, acc.shape)
+            p_smem.T[...] = p.astype(dtype)
+            plgpu.commit_smem()
+            plgpu.barrier_wait(v_loaded.at[slot])
+            if masked:
+                v_tile = v_smem.at[slot]
+                vkey = plgpu.broadcasted_iota(jnp.int32, (block_kv, head_dim), 0,
+                                              layout=plgpu.Layout.WGMMA) + j * block_kv
+                v = v_tile[...]
+                v_tile[...] = jnp.where((vkey >= seen_lo) & (vkey < seen_hi), v,
+                                        jnp.zeros_like(v))
+                plgpu.commit_smem()
+            acc = accumulate(acc, v_smem.at[slot].T, p_smem.T, interpret=plan.interpret)
+            plgpu.barrier_arrive(free.at[slot])
+            return acc, m_new, l
+
+        acc = plgpu.layout_cast(jnp.zeros((head_dim, n), jnp.float32), plgpu.Layout.WGMMA)
+        m = plgpu.layout_cast(jnp.full((n,), -jnp.inf, jnp.float32),
+                              plgpu.Layout.WGMMA.reduce(0))
+        l = plgpu.layout_cast(jnp.zeros((n,), jnp.float32), plgpu.Layout.WGMMA.reduce(0))
+        plgpu.barrier_wait(q_loaded.at[0])
+        masked = functools.partial(step, masked=True)
+        carry = lax.fori_loop(jnp.int32(0), full_lo - lo, masked, (acc, m, l))
+        carry = lax.fori_loop(full_lo - lo, full_hi - lo, functools.partial(step, masked=False),
+                              carry)
+        acc, m, l = lax.fori_loop(full_hi - lo, n_steps, masked, carry)
+        seen = l != 0.0
+        out = jnp.where(_bcast_cols(seen, acc.shape),
+                        acc / _bcast_cols(jnp.where(seen, l, 1.0), acc.shape), 0.0)
+        lse_smem.at[0][...] = jnp.where(m == -jnp.inf, 0.0, m) * logit_scale + jnp.log(l)
+        o_smem.at[0][...] = out
+        plgpu.commit_smem()
+        cell_out = (batch * plan.kv_heads + kv_head) * plan.num_splits + split
+        plgpu.copy_smem_to_gmem(o_smem.at[0], o_ref.at[cell_out])
+        plgpu.copy_smem_to_gmem(lse_smem.at[0], lse_ref.at[cell_out])
+        plgpu.wait_smem_to_gmem(0)
+
+
 def _kernel(*refs, plan, tiles: DecodeTiles, n_tiles: int):
     if plan.paged:
         q_ref, k_ref, v_ref, lens_ref, table_ref, *rest = refs
@@ -171,7 +289,7 @@ def _kernel(*refs, plan, tiles: DecodeTiles, n_tiles: int):
     (o_ref, lse_ref, q_smem, k_smem, v_smem, o_smem, lse_smem,
      q_loaded, k_loaded, v_loaded, free, *extra) = rest
     v_clean = extra.pop(0) if tiles.compute_wgs > 1 else None
-    p_smem = extra   # interpret mode only
+    p_smem = extra   # interpret mode only; with keys_as_m, P's staging buffer
     block_kv, stages, wgs = tiles.block_kv, tiles.stages, tiles.compute_wgs
     head_dim, q_len, group = plan.head_dim, plan.q_len, plan.group
     dtype = q_ref.dtype
@@ -198,7 +316,14 @@ def _kernel(*refs, plan, tiles: DecodeTiles, n_tiles: int):
     hi = jnp.maximum(lax.div(key_hi + (block_kv - 1), jnp.int32(block_kv)), lo)
     n_steps = hi - lo
 
-    @pl.when(wg < wgs)
+    if tiles.keys_as_m:
+        _compute_keys_as_m(
+            plan=plan, tiles=tiles, q_ref=q_ref, o_ref=o_ref, lse_ref=lse_ref, q_smem=q_smem,
+            k_smem=k_smem, v_smem=v_smem, p_smem=p_smem[0], o_smem=o_smem, lse_smem=lse_smem,
+            q_loaded=q_loaded, k_loaded=k_loaded, v_loaded=v_loaded, free=free, wg=wg,
+            batch=batch, kv_head=kv_head, split=split, kv_len=kv_len, key_lo=key_lo,
+            key_hi=key_hi, lo=lo, hi=hi, n_steps=n_steps)
+
     def _compute():
         row0 = (tile * wgs + wg) * WG_ROWS
         my_q = q_smem.at[wg]
@@ -345,6 +470,9 @@ def _kernel(*refs, plan, tiles: DecodeTiles, n_tiles: int):
             pl.when(tile * wgs + wg == whole)(lambda: store(rest_rows))
         plgpu.wait_smem_to_gmem(0)
 
+    if not tiles.keys_as_m:
+        pl.when(wg < wgs)(_compute)
+
     @pl.when(wg == wgs)
     def _copy():
         def issue(i, slot):
@@ -396,6 +524,9 @@ def partial(plan, q_packed, k_cache, v_cache, kv_lengths, block_table, *,
     # A block of several pages is filled by one copy per page, each an arrival.
     pieces = (tiles.block_kv // plan.page_size
               if plan.paged and plan.page_size < tiles.block_kv else 1)
+    if tiles.keys_as_m:
+        return _partial_keys_as_m(plan, tiles, q_packed, k_cache, v_cache, kv_lengths,
+                                  block_table)
     scratch = [
         plgpu.SMEM((wgs, WG_ROWS, head_dim), dtype),
         plgpu.SMEM((tiles.stages, tiles.block_kv, head_dim), dtype),
@@ -446,4 +577,52 @@ def partial(plan, q_packed, k_cache, v_cache, kv_lengths, block_table, *,
     lse_part = lse_part.reshape(batch, kv_heads, splits, lse_rows)
     if lse_rows != rows:
         lse_part = lse_part[..., :rows]
+    return o_part, lse_part
+
+
+def _partial_keys_as_m(plan, tiles, q_packed, k_cache, v_cache, kv_lengths, block_table):
+    batch, kv_heads, rows, head_dim = q_packed.shape
+    splits = plan.num_splits
+    dtype = q_packed.dtype
+    n = keys_n(rows)
+    pieces = (tiles.block_kv // plan.page_size
+              if plan.paged and plan.page_size < tiles.block_kv else 1)
+    scratch = [
+        plgpu.SMEM((1, n, head_dim), dtype),
+        plgpu.SMEM((tiles.stages, tiles.block_kv, head_dim), dtype),
+        plgpu.SMEM((tiles.stages, tiles.block_kv, head_dim), dtype),
+        plgpu.SMEM((1, head_dim, n), jnp.float32),
+        plgpu.SMEM((1, n), jnp.float32),
+        plgpu.Barrier(num_barriers=1),
+        plgpu.Barrier(num_arrivals=pieces, num_barriers=tiles.stages),
+        plgpu.Barrier(num_arrivals=pieces, num_barriers=tiles.stages),
+        plgpu.Barrier(num_arrivals=1, num_barriers=tiles.stages),
+        plgpu.SMEM((n, tiles.block_kv), dtype),
+    ]
+    cells = batch * kv_heads * splits
+    out_type = (jax.ShapeDtypeStruct((cells, head_dim, n), jnp.float32),
+                jax.ShapeDtypeStruct((cells, n), jnp.float32))
+    call = plgpu.kernel(
+        functools.partial(_kernel, plan=plan, tiles=tiles, n_tiles=1),
+        out_type=out_type,
+        scratch_types=scratch,
+        grid=(splits, kv_heads, batch),
+        grid_names=("cell", "head", "batch"),
+        num_threads=2,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        interpret=plgpu.InterpretGPUParams() if plan.interpret else None,
+        kernel_name=KERNEL_NAME,
+    )
+    q_rows = rows if rows <= 8 else n
+    q = q_packed
+    if q_rows > rows:
+        q = jnp.pad(q, ((0, 0), (0, 0), (0, q_rows - rows), (0, 0)))
+    q = q.reshape(batch * kv_heads, q_rows, head_dim)
+    args = [q, k_cache, v_cache, kv_lengths.astype(jnp.int32)]
+    if plan.paged:
+        args.append(block_table.astype(jnp.int32))
+    o_t, lse = call(*args)
+    o_part = o_t.transpose(0, 2, 1)[:, :rows].reshape(batch, kv_heads, splits, rows, head_dim)
+    lse_part = lse[:, :rows].reshape(batch, kv_heads, splits, rows)
     return o_part, lse_part
