@@ -323,14 +323,21 @@ def _decode_fn(plan: DecodePlan, backend: str, has_sinks: bool, tiles=None):
         q_packed = pack_queries(q, plan.kv_heads)
         o_part, lse_part = module.partial(plan, q_packed, k_cache, v_cache, lengths, block_table,
                                           **extra)
+        # A d-major partial (the Mosaic keys-as-M kernel): O^T [..., head_dim, n], lse [..., n]
+        # with n >= rows columns, read in place by the combine.
+        d_major = getattr(module, "d_major", lambda plan, tiles=None: False)(plan, tiles)
         # With sinks the merged O is rescaled once more, so it stays float32 until then.
         out_dtype = jnp.float32 if has_sinks else plan.dtype
         if plan.num_splits == 1:
-            out, lse = o_part[:, :, 0].astype(out_dtype), lse_part[:, :, 0]
+            out, lse = o_part[:, :, 0], lse_part[:, :, 0]
+            if d_major:
+                out = jnp.swapaxes(out, -1, -2)[..., :plan.rows, :]
+                lse = lse[..., :plan.rows]
+            out = out.astype(out_dtype)
         else:
             # The combine reads only num_splits * rows * head_dim floats per head: one Triton
             # kernel serves every backend.
-            out, lse = triton_decode.combine(plan, o_part, lse_part, out_dtype)
+            out, lse = triton_decode.combine(plan, o_part, lse_part, out_dtype, d_major=d_major)
         out, lse = unpack_rows(plan, out, lse)
         if has_sinks:
             out, lse = apply_sinks(out, lse, sinks)

@@ -28,9 +28,11 @@ for spec in (sys.argv[1:] or ["1:4096", "1:16384", "1:131072", "4:16384"]):
     ref = None
     rows_tiles = mosaic.DecodeTiles(64, 2, 1)
     keys_tiles = mosaic.DecodeTiles(64, 2, 1, keys_as_m=True)
+    def rows_layout(o):   # d-major [.., d, n] -> [.., rows, d]
+        return jnp.swapaxes(o, -1, -2)[..., :plan.rows, :]
     for name, fn in (("rows_m", lambda q, k, v, n: mosaic.partial(plan, q, k, v, n, None, tiles=rows_tiles)[0]),
-                     ("keys_m", lambda q, k, v, n: mosaic.partial(plan, q, k, v, n, None, tiles=keys_tiles)[0]),
-                     ("keys_m_4st", lambda q, k, v, n: mosaic.partial(plan, q, k, v, n, None, tiles=mosaic.DecodeTiles(64, 4, 1, keys_as_m=True))[0])):
+                     ("keys_m", lambda q, k, v, n: rows_layout(mosaic.partial(plan, q, k, v, n, None, tiles=keys_tiles)[0])),
+                     ("keys_m_4st", lambda q, k, v, n: rows_layout(mosaic.partial(plan, q, k, v, n, None, tiles=mosaic.DecodeTiles(64, 4, 1, keys_as_m=True))[0]))):
         try:
             run = jax.jit(repeated(fn, CALLS))
             outs = jax.block_until_ready(run(qs, caches, lens))

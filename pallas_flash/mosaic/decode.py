@@ -122,7 +122,8 @@ def default_tiles(plan) -> DecodeTiles:
     itemsize = jnp.dtype(plan.dtype).itemsize
     # O^T's rows are head_dim, a wgmma M: whole 64s.
     if plan.rows <= WG_ROWS and plan.head_dim % 64 == 0:
-        tiles = DecodeTiles(64, 2, 1, keys_as_m=True)
+        block_kv = 128 if plan.head_dim <= 64 and plan.chunk % 128 == 0 else 64
+        tiles = DecodeTiles(block_kv, 2, 1, keys_as_m=True)
         if tiles.smem_bytes(plan.head_dim, itemsize) <= SMEM_LIMIT:
             return tiles
     # 64 keys a block, 128 at head_dim 64: 16 KB copies, and every chunk is a whole number of
@@ -623,6 +624,10 @@ def _partial_keys_as_m(plan, tiles, q_packed, k_cache, v_cache, kv_lengths, bloc
     if plan.paged:
         args.append(block_table.astype(jnp.int32))
     o_t, lse = call(*args)
-    o_part = o_t.transpose(0, 2, 1)[:, :rows].reshape(batch, kv_heads, splits, rows, head_dim)
-    lse_part = lse[:, :rows].reshape(batch, kv_heads, splits, rows)
-    return o_part, lse_part
+    return (o_t.reshape(batch, kv_heads, splits, head_dim, n),
+            lse.reshape(batch, kv_heads, splits, n))
+
+
+def d_major(plan, tiles: DecodeTiles | None = None) -> bool:
+    """Whether `partial` returns d-major partials (O^T [..., head_dim, n], lse [..., n])."""
+    return (tiles or default_tiles(plan)).keys_as_m

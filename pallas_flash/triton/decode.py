@@ -203,7 +203,7 @@ def partial(plan, q_packed, k_cache, v_cache, kv_lengths, block_table):
 
 
 def _combine_kernel(o_ref, lse_ref, out_ref, out_lse_ref, *, plan, split_block: int,
-                    d_pad: int):
+                    d_pad: int, d_major: bool):
     # One packed row per program: its splits' lse and O rows are read split_block at a time,
     # so a few splits need one round of loads, not one load after another per split.
     row = lax.rem(pl.program_id(1), jnp.int32(plan.rows))
@@ -218,8 +218,8 @@ def _combine_kernel(o_ref, lse_ref, out_ref, out_lse_ref, *, plan, split_block: 
         ok = _positions(first, split_block) < plan.num_splits
         splits = pl.ds(first, split_block)
         part_lse = plgpu.load(lse_ref.at[splits, row], mask=ok, other=-jnp.inf)
-        part = plgpu.load(o_ref.at[splits, row, all_cols], mask=ok[:, None] & cols[None, :],
-                          other=0.0)
+        o_rows = o_ref.at[splits, all_cols, row] if d_major else o_ref.at[splits, row, all_cols]
+        part = plgpu.load(o_rows, mask=ok[:, None] & cols[None, :], other=0.0)
         new_top = jnp.maximum(top, jnp.max(part_lse))
         anchor = jnp.where(new_top == -jnp.inf, 0.0, new_top)
         old = jnp.exp(top - anchor)
@@ -242,19 +242,22 @@ def _combine_kernel(o_ref, lse_ref, out_ref, out_lse_ref, *, plan, split_block: 
 COMBINE_SPLITS = 16
 
 
-def combine(plan, o_part, lse_part, out_dtype):
+def combine(plan, o_part, lse_part, out_dtype, d_major: bool = False):
     """(O [batch, kv_heads, rows, head_dim] in out_dtype, lse float32 [batch, kv_heads, rows])
-    from the per-split partials."""
+    from the per-split partials; d_major: O^T partials [..., head_dim, n] and lse [..., n],
+    n >= rows (the Mosaic keys-as-M kernel's), read in place."""
     d_pad = common.padded_head_dim(plan.head_dim)
     split_block = min(COMBINE_SPLITS, pl.next_power_of_2(plan.num_splits))
-    kernel = functools.partial(_combine_kernel, plan=plan, split_block=split_block, d_pad=d_pad)
+    kernel = functools.partial(_combine_kernel, plan=plan, split_block=split_block, d_pad=d_pad,
+                               d_major=d_major)
     s, rows = plan.num_splits, plan.rows
+    n = o_part.shape[-1] if d_major else rows
+    o_block = (None, None, s, d_pad, n) if d_major else (None, None, s, rows, d_pad)
     return pl.pallas_call(
         kernel,
         grid=(plan.batch, plan.kv_heads * rows),
-        in_specs=[pl.BlockSpec((None, None, s, rows, d_pad),
-                               lambda b, i: (b, i // rows, 0, 0, 0)),
-                  pl.BlockSpec((None, None, s, rows), lambda b, i: (b, i // rows, 0, 0))],
+        in_specs=[pl.BlockSpec(o_block, lambda b, i: (b, i // rows, 0, 0, 0)),
+                  pl.BlockSpec((None, None, s, n), lambda b, i: (b, i // rows, 0, 0))],
         out_specs=[pl.BlockSpec((None, None, rows, d_pad), lambda b, i: (b, i // rows, 0, 0)),
                    pl.BlockSpec((None, None, rows), lambda b, i: (b, i // rows, 0))],
         out_shape=[jax.ShapeDtypeStruct((plan.batch, plan.kv_heads, rows, plan.head_dim),
