@@ -29,7 +29,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from ring_trace import STREAM_PREFIX, find_trace, load_events  # noqa: E402
+from ring_trace import STREAM_PREFIX, find_trace, load_events, track_names  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -53,8 +53,7 @@ def parse_case(text: str) -> tuple[str, int, int, int]:
 
 def stream_kernels(events: list[dict]) -> list[dict]:
     """The complete ("X") events on GPU stream tracks, in start order."""
-    threads = {(e["pid"], e.get("tid")): e["args"]["name"] for e in events
-               if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    threads = track_names(events, "thread_name")
     kernels = [e for e in events if e.get("ph") == "X" and "dur" in e
                and threads.get((e["pid"], e.get("tid")), "").startswith(STREAM_PREFIX)]
     return sorted(kernels, key=lambda e: float(e["ts"]))

@@ -92,6 +92,13 @@ def intersect(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> flo
     return total
 
 
+def track_names(events: list[dict], kind: str) -> dict:
+    """The names a trace's metadata events give: kind "process_name" maps pid -> name,
+    "thread_name" maps (pid, tid) -> name."""
+    return {(e["pid"] if kind == "process_name" else (e["pid"], e.get("tid"))): e["args"]["name"]
+            for e in events if e.get("ph") == "M" and e.get("name") == kind}
+
+
 def overlap_report(events: list[dict], kernel_pattern: str = KERNEL_PATTERN,
                    transfer_pattern: str = TRANSFER_PATTERN) -> list[dict]:
     """Per device (trace process) that ran a transfer: its transfer and kernel time in ms and
@@ -101,14 +108,7 @@ def overlap_report(events: list[dict], kernel_pattern: str = KERNEL_PATTERN,
     host) counts every track. Names starting with "end: " (XLA:CPU's closing markers) are
     not spans of their own.
     """
-    processes, threads = {}, {}
-    for e in events:
-        if e.get("ph") != "M":
-            continue
-        if e.get("name") == "process_name":
-            processes[e["pid"]] = e["args"]["name"]
-        elif e.get("name") == "thread_name":
-            threads[(e["pid"], e.get("tid"))] = e["args"]["name"]
+    processes, threads = track_names(events, "process_name"), track_names(events, "thread_name")
     has_streams = {pid for (pid, _), name in threads.items() if name.startswith(STREAM_PREFIX)}
     kernel_re, transfer_re = re.compile(kernel_pattern), re.compile(transfer_pattern, re.I)
     spans: dict = {}
