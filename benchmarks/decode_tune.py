@@ -48,14 +48,17 @@ from pallas_flash.mosaic import decode as mosaic_decode  # noqa: E402
 
 
 def parse_tiles(text: str) -> list[mosaic_decode.DecodeTiles | None]:
-    """'default' (None: the kernel's own choice) or block_kv/stages/compute_wgs, comma-separated."""
+    """'default' (None: the kernel's own choice) or block_kv/stages/compute_wgs, with a trailing
+    '/k' for keys as the wgmma M axis (DecodeTiles.keys_as_m), comma-separated."""
     out = []
     for item in (t.strip() for t in text.split(",") if t.strip()):
         if item == "default":
             out.append(None)
             continue
-        block_kv, stages, wgs = (int(x) for x in item.split("/"))
-        out.append(mosaic_decode.DecodeTiles(block_kv, stages, wgs))
+        fields = item.split("/")
+        keys_as_m = fields[-1] == "k"
+        block_kv, stages, wgs = (int(x) for x in fields[:3])
+        out.append(mosaic_decode.DecodeTiles(block_kv, stages, wgs, keys_as_m=keys_as_m))
     return out
 
 
@@ -65,7 +68,10 @@ def parse_splits(text: str) -> list[int | None]:
 
 
 def tiles_label(tiles) -> str:
-    return "default" if tiles is None else f"{tiles.block_kv}/{tiles.stages}/{tiles.compute_wgs}"
+    if tiles is None:
+        return "default"
+    return (f"{tiles.block_kv}/{tiles.stages}/{tiles.compute_wgs}"
+            + ("/k" if tiles.keys_as_m else ""))
 
 
 def call_fns(q, k, v, lengths, num_splits, tiles):
@@ -96,7 +102,7 @@ def main(argv=None):
     p.add_argument("--q-lens", default="1", help="new tokens per sequence, comma list")
     p.add_argument("--splits", default="auto", help="'auto' or split counts, comma list")
     p.add_argument("--tiles", default="default",
-                   help="'default' or block_kv/stages/compute_wgs, comma list")
+                   help="'default' or block_kv/stages/compute_wgs[/k], comma list")
     p.add_argument("--iters", type=int, default=10, help="programs per timed batch")
     p.add_argument("--copy-mib", type=int, default=None,
                    help="MiB of the copy-bandwidth buffer (default 4096 on a GPU, 64 on a CPU)")

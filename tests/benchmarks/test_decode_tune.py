@@ -27,19 +27,19 @@ ON_GPU = jax.default_backend() == "gpu"
 def test_sweep_rows_and_json(tmp_path):
     with example_module(_SCRIPT, "decode_tune_script") as dt:
         record = dt.main(["--cases", "1x256x4x2x64", "--splits", "2", "--tiles",
-                          "default,256/2/1", "--iters", "1", "--copy-mib", "8",
+                          "default,256/2/1/k", "--iters", "1", "--copy-mib", "8",
                           "--out", str(tmp_path)])
     saved = json.loads((tmp_path / "decode_tune.json").read_text())
     assert saved == json.loads(json.dumps(record))
     served, refused = saved["rows"]
     assert (served["case"], served["q_len"], served["num_splits"]) == ("1x256x4x2x64", 1, 2)
-    assert served["tiles"] == "default" and served["ran"] == "128/2/1"
+    assert served["tiles"] == "default" and served["ran"] == "128/2/1/k"
     kv_bytes = 256 * 2 * 64 * 2 * 2
     for name in ("call", "partial"):
         assert served[f"{name}_us"] > 0
         pct = 100 * kv_bytes / (served[f"{name}_us"] * 1e-6) / 1e9 / saved["copy"]["gbps"]
         assert served[f"{name}_pct_of_copy"] == pytest.approx(pct, abs=0.06)
-    assert refused["tiles"] == "256/2/1" and "not a multiple of block_kv" in refused["error"]
+    assert refused["tiles"] == "256/2/1/k" and "not a multiple of block_kv" in refused["error"]
 
 
 def test_timed_call_with_other_tiles_matches_the_reference():
