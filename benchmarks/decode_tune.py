@@ -172,7 +172,8 @@ def main(argv=None):
                     if isinstance(fn, Exception):
                         raise fn
                     times, _ = time_calls(fn, jobs[index, name][1], args.iters, 2,
-                                          pipelined=True)
+                                          pipelined=True,
+                                          warm_s=bench_decode.WARM_S_GPU if on_gpu else 0.0)
                 except Exception as e:  # noqa: BLE001 - a failing pair is a result row
                     row[f"{name}_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
                     continue

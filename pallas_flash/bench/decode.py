@@ -83,6 +83,10 @@ ROTATE_BYTES = 256 << 20
 MAX_COPIES = 8
 # Interpret mode on a CPU: two calls over two copies for the smoke case, to exercise both.
 CPU_PROGRAM_BYTES = CPU_ROTATE_BYTES = 256 << 10
+# Seconds of back-to-back calls before a case is timed on a GPU: a program of a short context
+# lasts well under a millisecond, too little for the warmup calls alone to lift the clock that
+# compiling left low (docs/performance.md, "Decoding").
+WARM_S_GPU = 0.25
 
 
 @dataclasses.dataclass(frozen=True)
@@ -316,7 +320,8 @@ def _time(fn, args: tuple, calls: int, opts) -> tuple[dict, Any]:
     try:
         if isinstance(fn, Exception):
             raise fn
-        times, outs = time_calls(fn, args, opts.iters, opts.warmup, opts.pipelined)
+        times, outs = time_calls(fn, args, opts.iters, opts.warmup, opts.pipelined,
+                                 warm_s=WARM_S_GPU if jax.default_backend() == "gpu" else 0.0)
         times, out = [t / calls for t in times], outs[-1]
     except NotApplicable as e:
         return {"status": "n.a.", "error": str(e)}, None

@@ -35,10 +35,11 @@ from pallas_flash.bench.cases import DTYPES, PLAIN, Case, case_flops, make_input
 from pallas_flash.bench.impls import IMPLS, NotApplicable, short_error
 
 
-def time_calls(f, args, iters: int, warmup: int,
-               pipelined: bool = False) -> tuple[list[float], Any]:
+def time_calls(f, args, iters: int, warmup: int, pipelined: bool = False,
+               warm_s: float = 0.0) -> tuple[list[float], Any]:
     """Per-call wall times in seconds (after warmup) and the last result; pipelined: the
-    mean per call of each of three batches of `iters` back-to-back calls."""
+    mean per call of each of three batches of `iters` back-to-back calls. warm_s: seconds of
+    back-to-back calls after the warmup calls, before timing."""
     out = None
     # At least two: the first call compiles, and JAX's Pallas modules load on
     # the first trace in a process and register config options, which changes
@@ -46,6 +47,13 @@ def time_calls(f, args, iters: int, warmup: int,
     # compiles again.
     for _ in range(max(warmup, 2)):
         out = jax.block_until_ready(f(*args))
+    # A GPU left idle while the host compiled runs at a low clock for a while after it
+    # resumes; a few short calls do not bring it back up, this keeps it busy until they do.
+    t_end = time.perf_counter() + warm_s
+    while time.perf_counter() < t_end:
+        for _ in range(8):
+            out = f(*args)
+        out = jax.block_until_ready(out)
     times = []
     if pipelined:
         for _ in range(3):
