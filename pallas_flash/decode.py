@@ -325,7 +325,7 @@ def _decode_fn(plan: DecodePlan, backend: str, has_sinks: bool, tiles=None):
                                           **extra)
         # A d-major partial (the Mosaic keys-as-M kernel): O^T [..., head_dim, n], lse [..., n]
         # with n >= rows columns, read in place by the combine.
-        d_major = getattr(module, "d_major", lambda plan, tiles=None: False)(plan, tiles)
+        d_major = module.d_major(plan, tiles)
         # With sinks the merged O is rescaled once more, so it stays float32 until then.
         out_dtype = jnp.float32 if has_sinks else plan.dtype
         if plan.num_splits == 1:

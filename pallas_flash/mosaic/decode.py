@@ -4,16 +4,25 @@ Contract of `pallas_flash.decode.partial_contract`: per (batch, kv head, split) 
 softmax-normalised O (float32 [batch, kv_heads, num_splits, rows, head_dim]) and its natural-log
 lse (float32 [batch, kv_heads, num_splits, rows]); the caller merges the splits.
 
-Grid: (row tile * num_splits + split, kv head, batch). A CTA owns `compute_wgs` 64-row pieces
-of the packed query rows (one wgmma M tile each). Q is read in place: a piece's rows past
-plan.rows lie outside the array (rounded up to 8 rows where it has more), which the TMA fills
-with zeros, and only rows below plan.rows are stored (rows never mix, so the spare rows cost
-neither bandwidth nor, in the common cases, a padding pass) and
+Two orientations of the products (`DecodeTiles.keys_as_m`):
+- keys as the wgmma M axis (the default where the packed rows are at most 64 and head_dim is a
+  multiple of 64): S^T = K Q^T is [block_kv, n] with the n packed rows (rounded up to 8) as
+  wgmma N, each row's softmax runs down a column, P^T goes through shared memory, and
+  O^T += V^T P^T is [head_dim, n]. A decoding step has 4 to 16 rows per kv head, so nothing is
+  computed for padding rows beyond the round-up to 8, and the float32 accumulator is
+  head_dim x n, not 64 x head_dim. The partials come out d-major (`d_major`), which the
+  combine reads as they are.
+- rows as the wgmma M axis (more than 64 rows, or head_dim not a multiple of 64): a CTA owns
+  `compute_wgs` 64-row pieces of the packed query rows, one wgmma M tile each.
+
+Grid: (row tile * num_splits + split, kv head, batch), one compute warpgroup a row piece and
 one copy warpgroup that streams the split's K and V blocks of `block_kv` keys through `stages`
-shared-memory slots. Decoding is bandwidth-bound: the slots are sized so that two CTAs would
-keep about 128 KB of K / V in flight per SM, but at about 180 registers a thread only one CTA
-fits an SM's register file, so 64 KB are (more stages measured no faster; docs/tuning.md).
-"auto" sends grids of more than one program per SM to the Triton kernel.
+shared-memory slots. Q is read in place: a piece's rows past plan.rows lie outside the array
+(rounded up to 8 rows where it has more), which the TMA fills with zeros, and only rows below
+plan.rows are stored (rows never mix, so the spare rows cost neither bandwidth nor, in the
+common cases, a padding pass). Decoding is bandwidth-bound; docs/tuning.md ("Mosaic decode")
+has the measured slot counts and occupancy. "auto" sends grids of more than one program per SM
+to the Triton kernel.
 
 Blocks: contiguous caches are cut into block_kv rows at position j * block_kv. Paged caches
 read one page per copy: a block of several pages takes one copy per page into consecutive
@@ -51,7 +60,8 @@ from pallas_flash.mosaic.config import SMEM_LIMIT, SMEM_RESERVED, WG_ROWS
 from pallas_flash.mosaic.tiles import accumulate, product
 from pallas_flash.stats import LOG2E
 
-__all__ = ["KERNEL_NAME", "DecodeTiles", "default_tiles", "partial", "unsupported_reason"]
+__all__ = ["KERNEL_NAME", "DecodeTiles", "d_major", "default_tiles", "partial",
+           "unsupported_reason"]
 
 KERNEL_NAME = "pallas_flash_decode_mosaic"
 

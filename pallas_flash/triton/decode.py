@@ -29,7 +29,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_flash.triton import common
 
-__all__ = ["partial", "combine", "unsupported_reason"]
+__all__ = ["partial", "combine", "d_major", "unsupported_reason"]
 
 # Keys per block: a power of two that divides every chunk (decode.CHUNK_ALIGN).
 BLOCK_KV = 64
@@ -159,6 +159,11 @@ def _partial_kernel(*refs, plan, rows_pad: int, n_tiles: int, d_pad: int, block:
     lse = jnp.where(seen, jnp.where(seen, m, 0.0) + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)
     ok = _positions(row_start, rows_pad) < plan.rows
     plgpu.store(lse_ref.at[pl.ds(row_start, rows_pad)], lse.astype(lse_ref.dtype), mask=ok)
+
+
+def d_major(plan, tiles=None) -> bool:
+    """Whether `partial` returns d-major partials: never here (O [..., rows, head_dim])."""
+    return False
 
 
 def partial(plan, q_packed, k_cache, v_cache, kv_lengths, block_table):
