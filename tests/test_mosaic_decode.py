@@ -112,6 +112,11 @@ CASES = [
                  id="f16-d192-two-row-tiles-softcap"),
     pytest.param(jnp.float16, 2, 2, 8, 1, 128, 640, None, [640, 2], dict(num_splits=3),
                  id="f16-contiguous-mqa-q2-length-q-len"),
+    # One split: the keys-as-M kernel's d-major O is transposed back without the combine.
+    pytest.param(jnp.bfloat16, 2, 1, 32, 8, 128, 512, None, [512, 70], dict(num_splits=1),
+                 id="bf16-contiguous-gqa4-one-split"),
+    pytest.param(jnp.bfloat16, 2, 1, 8, 2, 192, 768, 64, [700, 65], dict(),
+                 id="bf16-paged64-d192-keys-as-m"),
 ]
 
 
@@ -137,13 +142,15 @@ def test_unseen_non_finite_values_are_confined(dtype, batch, q_len, q_heads, kv_
 @pytest.mark.skipif(ON_GPU, reason="the interpret-mode check is for machines without a GPU")
 # The interpreter's Q K^T (numpy) meets the NaN keys, which the mask then drops.
 @pytest.mark.filterwarnings("ignore:invalid value encountered in matmul:RuntimeWarning")
-@pytest.mark.parametrize("head_dim", [64, 96])
-def test_interpret_mode_matches_reference(head_dim):
+@pytest.mark.parametrize("head_dim,num_splits", [(64, 2), (64, 1), (96, 2)])
+def test_interpret_mode_matches_reference(head_dim, num_splits):
     # Pages of 16 keys, four to a 64-key block; a window; a token at a negative position; NaN
     # and inf in K and V at every position no query sees (past each length, before the
-    # window), which may not reach the output. At 96, O leaves in three 32-column pieces.
+    # window), which may not reach the output. At 64 the keys are the wgmma M axis (its d-major
+    # partials go through the combine, or are transposed back with one split); at 96 the rows
+    # are, and O leaves in three 32-column pieces.
     _run(jnp.bfloat16, 2, 2, 4, 1, head_dim, 192, 16, [150, 1],
-         dict(window=(40, 0), num_splits=2), interpret=True, poison=True)
+         dict(window=(40, 0), num_splits=num_splits), interpret=True, poison=True)
 
 
 def _plan(**changes):
@@ -207,6 +214,10 @@ def test_default_tiles_fit(head_dim, rows, page_size):
     assert tiles.smem_bytes(head_dim) <= SMEM_LIMIT
     assert plan.chunk % tiles.block_kv == 0
     assert mosaic.unsupported_reason(plan) is None
+    # Keys as the wgmma M axis where the rows fit one N tile and O^T's rows (head_dim) are whole
+    # 64-row M tiles, and the shared memory allows (not at 256); the partials' layout follows.
+    assert tiles.keys_as_m == (rows <= 64 and head_dim in (64, 128, 192))
+    assert mosaic.d_major(plan) == tiles.keys_as_m
 
 
 @pytest.mark.parametrize("changes,match", [

@@ -5,8 +5,8 @@ softmax-normalised O (float32 [batch, kv_heads, num_splits, rows, head_dim]) and
 lse (float32 [batch, kv_heads, num_splits, rows]); the caller merges the splits.
 
 Two orientations of the products (`DecodeTiles.keys_as_m`):
-- keys as the wgmma M axis (the default where the packed rows are at most 64 and head_dim is a
-  multiple of 64): S^T = K Q^T is [block_kv, n] with the n packed rows (rounded up to 8) as
+- keys as the wgmma M axis (the default where the packed rows are at most 64, head_dim is a
+  multiple of 64 and the tiles fit shared memory: 64, 128 and 192): S^T = K Q^T is [block_kv, n] with the n packed rows (rounded up to 8) as
   wgmma N, each row's softmax runs down a column, P^T goes through shared memory, and
   O^T += V^T P^T is [head_dim, n]. A decoding step has 4 to 16 rows per kv head, so nothing is
   computed for padding rows beyond the round-up to 8, and the float32 accumulator is
