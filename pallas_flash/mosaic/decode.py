@@ -197,7 +197,7 @@ def _bcast_cols(x, shape):
 
 def _compute_keys_as_m(*, plan, tiles, q_ref, o_ref, lse_ref, q_smem, k_smem, v_smem, p_smem,
                        o_smem, lse_smem, q_loaded, k_loaded, v_loaded, free, wg, batch, kv_head,
-                       split, kv_len, key_lo, key_hi, lo, hi, n_steps):
+                       split, row0, kv_len, key_lo, key_hi, lo, hi, n_steps):
     """The compute warpgroup with keys as the wgmma M axis and the n packed rows as N:
     S^T = K Q^T [block_kv, n], each row's softmax over axis 0, O^T += V^T P^T [head_dim, n]
     (P^T through shared memory, wgmma's B operand). The rows past plan.rows see whatever the
@@ -211,7 +211,10 @@ def _compute_keys_as_m(*, plan, tiles, q_ref, o_ref, lse_ref, q_smem, k_smem, v_
 
     @pl.when(wg == 0)
     def _compute():
-        plgpu.copy_gmem_to_smem(q_ref.at[batch * plan.kv_heads + kv_head, pl.ds(0, n)],
+        # The n-row box may reach past the array's rows (n rounds plan.rows up to 8), which the
+        # TMA fills with zeros. row0 (0: these grids have one row tile) is traced, as in the
+        # rows-as-M path: jax 0.12 refuses a static slice past an array's end at trace time.
+        plgpu.copy_gmem_to_smem(q_ref.at[batch * plan.kv_heads + kv_head, pl.ds(row0, n)],
                                 q_smem.at[0], q_loaded.at[0])
         need = key_lo
         if plan.window_left is not None:
@@ -332,8 +335,8 @@ def _kernel(*refs, plan, tiles: DecodeTiles, n_tiles: int):
             plan=plan, tiles=tiles, q_ref=q_ref, o_ref=o_ref, lse_ref=lse_ref, q_smem=q_smem,
             k_smem=k_smem, v_smem=v_smem, p_smem=p_smem[0], o_smem=o_smem, lse_smem=lse_smem,
             q_loaded=q_loaded, k_loaded=k_loaded, v_loaded=v_loaded, free=free, wg=wg,
-            batch=batch, kv_head=kv_head, split=split, kv_len=kv_len, key_lo=key_lo,
-            key_hi=key_hi, lo=lo, hi=hi, n_steps=n_steps)
+            batch=batch, kv_head=kv_head, split=split, row0=tile * keys_n(plan.rows),
+            kv_len=kv_len, key_lo=key_lo, key_hi=key_hi, lo=lo, hi=hi, n_steps=n_steps)
 
     def _compute():
         row0 = (tile * wgs + wg) * WG_ROWS
