@@ -1,4 +1,5 @@
-"""What a first run meets: one trace and compile per step, and the interpret-mode warning."""
+"""What a first run meets: one trace and compile per step, the interpret-mode warning, and the
+warning of a CPU thread pool too small for the Mosaic interpreter."""
 
 from __future__ import annotations
 
@@ -10,6 +11,9 @@ import pytest
 
 import pallas_flash as pf
 from pallas_flash import attention
+from pallas_flash.mosaic import common as mosaic_common
+
+from helpers import assert_close, tolerance
 
 needs_cpu = pytest.mark.skipif(jax.default_backend() == "gpu",
                                reason="interpret mode is chosen only without a GPU")
@@ -90,3 +94,27 @@ def test_first_step_traces_each_kernel_once_and_compiles_nothing(monkeypatch):
     jax.jit(step).trace(x, x, x, x)
     assert len(built) == 1
     assert not compiles
+
+
+@needs_cpu
+def test_mosaic_interpret_warns_once_when_the_cpu_pool_is_too_small(monkeypatch):
+    """The warning reads NPROC at call time; XLA's own pool (conftest's floor) is untouched."""
+    monkeypatch.setattr(mosaic_common, "_threads_warned", False)
+    monkeypatch.setenv("NPROC", "2")
+    assert mosaic_common.interpret_params(False, 4) is None   # compiled: no interpreter
+    q, k, v = (x.astype(jnp.bfloat16) for x in _inputs())
+    with pytest.warns(mosaic_common.InterpretThreadsWarning, match=r"has 2 threads.*NPROC=16"):
+        out = pf.flash_attention(q, k, v, backend="mosaic", interpret=True)
+    ref = pf.reference_attention(*(x.astype(jnp.float32) for x in (q, k, v)))
+    assert_close("o", out, ref, tolerance(jnp.bfloat16))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", mosaic_common.InterpretThreadsWarning)
+        mosaic_common.interpret_params(True, 4)                 # once per process
+
+
+def test_mosaic_interpret_is_silent_with_enough_pool_threads(monkeypatch):
+    monkeypatch.setattr(mosaic_common, "_threads_warned", False)
+    monkeypatch.setenv("NPROC", "4")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", mosaic_common.InterpretThreadsWarning)
+        assert mosaic_common.interpret_params(True, 4) is not None

@@ -39,9 +39,9 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_flash.masking import PAD_KEY_ID, PAD_QUERY_ID, segment_block_ranges
 from pallas_flash.mosaic import fused_backward
-from pallas_flash.mosaic.common import (clamp_range, logit_units, narrowed, pad_seq,
-                                       query_tile_position, stream_through_slots, streamed_range,
-                                       unsupported_operands)
+from pallas_flash.mosaic.common import (clamp_range, interpret_params, logit_units, narrowed,
+                                       pad_seq, query_tile_position, stream_through_slots,
+                                       streamed_range, unsupported_operands)
 from pallas_flash.mosaic.config import (SMEM_LIMIT, WG_ROWS, MosaicBackwardConfig,
                                        default_backward_config)
 from pallas_flash.mosaic.tiles import (accumulate, bcast_cols, bcast_rows, cast_rows, idiv,
@@ -530,7 +530,8 @@ def backward(spec: AttentionSpec, q, k, v, out, stats: RowStats, do, dlse, q_ids
     if uses_fused(spec, q, k, cfg, head_dim_v):
         dq, dk, dv = fused_backward.fused_backward(spec, q, k, v, do, rows, cfg)
         return dq[:, :seq_q], dk[:, :seq_kv], dv[:, :seq_kv]
-    interpret = plgpu.InterpretGPUParams() if spec.interpret else None
+    interpret = interpret_params(spec.interpret,
+                                 max(cfg.dkdv_compute_wgs(), cfg.dq_compute_wgs) + 1)
     compiler = plgpu.CompilerParams(approx_math=True)
 
     # ---- dK, dV ------------------------------------------------------------------------------

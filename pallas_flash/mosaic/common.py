@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import functools
+import os
+import warnings
 
 import jax.numpy as jnp
 from jax import lax
@@ -14,6 +16,44 @@ from pallas_flash.mosaic.schedule import (CLUSTER_AXIS, TileGrid, cluster_tiles,
                                          grid_position, launch_head_chunk)
 from pallas_flash.spec import AttentionSpec
 from pallas_flash.stats import LOG2E
+
+
+class InterpretThreadsWarning(UserWarning):
+    """XLA's CPU thread pool is too small for a Mosaic kernel in interpret mode: it may hang."""
+
+
+_threads_warned = False
+
+
+def _cpu_pool_threads() -> int:
+    """The threads of XLA:CPU's intra-op pool: NPROC where set, else the cores this process
+    may run on. JAX reads it once, when its CPU backend starts."""
+    for name in ("NPROC", "PORTABLE_NPROC"):
+        if os.environ.get(name, "").isdigit():
+            return int(os.environ[name])
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
+        os.cpu_count() or 1)
+
+
+def interpret_params(interpret: bool, threads: int):
+    """`interpret=` of a Mosaic kernel with `threads` warpgroups: None when compiled.
+
+    The interpreter runs each warpgroup of a CTA as its own XLA:CPU computation, and parts of
+    each run on XLA's intra-op pool; a warpgroup waiting at a barrier holds its pool thread. With
+    fewer pool threads than warpgroups the one that would arrive can starve, and the call hangs
+    (seen with four warpgroups and two threads). Warned once per process, before the call."""
+    if not interpret:
+        return None
+    global _threads_warned
+    pool = _cpu_pool_threads()
+    if pool < threads and not _threads_warned:
+        _threads_warned = True
+        warnings.warn(
+            f"pallas_flash: a Mosaic kernel in interpret mode runs {threads} warpgroups as "
+            f"concurrent XLA:CPU computations, but XLA's CPU thread pool has {pool} threads, so "
+            "the call can hang. Set NPROC=16 in the environment before JAX starts.",
+            InterpretThreadsWarning, stacklevel=2)
+    return plgpu.InterpretGPUParams()
 
 # Multiples of 16 (a wgmma K step, and 32-byte rows for TMA) from 32 to 256; above 128 the
 # dK/dV kernel splits the columns in two, so there multiples of 32 (halves of whole 16s).

@@ -55,7 +55,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_flash.mosaic.common import (SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS, exp2_tanh,
-                                       stream_through_slots)
+                                       interpret_params, stream_through_slots)
 from pallas_flash.mosaic.config import SMEM_LIMIT, SMEM_RESERVED, WG_ROWS
 from pallas_flash.mosaic.tiles import accumulate, product
 from pallas_flash.stats import LOG2E
@@ -571,7 +571,7 @@ def partial(plan, q_packed, k_cache, v_cache, kv_lengths, block_table, *,
         num_threads=wgs + 1,   # the copy warpgroup last (index compute_wgs)
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
-        interpret=plgpu.InterpretGPUParams() if plan.interpret else None,
+        interpret=interpret_params(plan.interpret, wgs + 1),
         kernel_name=KERNEL_NAME,
     )
     # Not padded to whole 64-row pieces: the TMA zero-fills a piece's rows past `rows`, and a
@@ -625,7 +625,7 @@ def _partial_keys_as_m(plan, tiles, q_packed, k_cache, v_cache, kv_lengths, bloc
         num_threads=2,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
-        interpret=plgpu.InterpretGPUParams() if plan.interpret else None,
+        interpret=interpret_params(plan.interpret, 2),
         kernel_name=KERNEL_NAME,
     )
     q_rows = rows if rows <= 8 else n

@@ -46,8 +46,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_flash.masking import PAD_KEY_ID, PAD_QUERY_ID, segment_block_ranges
-from pallas_flash.mosaic.common import (clamp_range, logit_units, narrowed, pad_seq,
-                                        profile_params, query_tile_position,
+from pallas_flash.mosaic.common import (clamp_range, interpret_params, logit_units, narrowed,
+                                        pad_seq, profile_params, query_tile_position,
                                         unsupported_operands)
 from pallas_flash.mosaic.config import (SMEM_LIMIT, MosaicForwardConfig, default_forward_config,
                                        register_budget)
@@ -443,7 +443,7 @@ def forward(spec: AttentionSpec, q, k, v, q_ids=None, kv_ids=None, sinks=None, *
             approx_math=True,
             **profile_params(cfg.profile_dir,
                              2 * pl.cdiv(spec.mask.seq_kv, cfg.block_kv) + 8)),
-        interpret=plgpu.InterpretGPUParams() if spec.interpret else None,
+        interpret=interpret_params(spec.interpret, wgs + 1),
         kernel_name=KERNEL_NAME,
     )
     args = [q, k, v]

@@ -45,7 +45,7 @@ from jax import custom_batching, lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_flash.mosaic.common import (clamp_range, pad_seq, profile_params,
+from pallas_flash.mosaic.common import (clamp_range, interpret_params, pad_seq, profile_params,
                                        stream_through_slots)
 from pallas_flash.mosaic.config import FUSED_BLOCK_Q as BLOCK_Q
 from pallas_flash.mosaic.config import FUSED_CTA_KEYS as CTA_KEYS
@@ -549,7 +549,7 @@ def _fused(q, k, v, do, rows, *, spec: AttentionSpec, cfg):
             compiler_params=plgpu.CompilerParams(
                 approx_math=True,
                 **profile_params(cfg.fused_profile_dir, 2 * n_qblocks * group + 8)),
-            interpret=plgpu.InterpretGPUParams() if spec.interpret else None,
+            interpret=interpret_params(spec.interpret, 4),
             kernel_name=FUSED_KERNEL_NAME,
         )
 
