@@ -15,8 +15,8 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
                                + " --xla_force_host_platform_device_count=4").strip()
 
 # Without a GPU plugin every kernel here runs interpreted, as XLA:CPU programs compiled once and
-# run on tiny shapes: LLVM's optimisation of them costs more than it saves (a third of the
-# Triton feature matrix's time). A GPU machine keeps XLA's default.
+# run on tiny shapes: LLVM's optimisation of them costs more time than it saves. A GPU
+# machine keeps XLA's default.
 def _gpu_plugin_installed():
     from importlib import metadata
     names = ((d.metadata["Name"] or "").lower().replace("_", "-") for d in metadata.distributions())
@@ -27,15 +27,11 @@ if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", "") and \
         not _gpu_plugin_installed():
     os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
 
-# GPU interpret mode (the Mosaic kernels on the CPU) runs each simulated warpgroup of a CTA as
-# its own XLA computation on its own thread, and XLA:CPU runs parts of each one on its intra-op
-# thread pool, sized by NPROC or else the core count. A warpgroup blocked at a barrier holds its
-# pool thread, so with fewer pool threads than a CTA's warpgroups minus one, the warpgroup that
-# would arrive can starve: on a 2-core machine the forward with three compute warpgroups (four
-# in all, overlap, 192-key blocks) hung with NPROC=2 and passed with NPROC=3. The kernel's own
-# callback and independent kernels of one program can hold pool threads too, so the floor is
-# well above four warpgroups; idle pool threads cost nothing measurable. Read once, when JAX
-# initialises. Elsewhere it only lets XLA split work over more threads than cores.
+# GPU interpret mode (the Mosaic kernels on the CPU) can hang when XLA:CPU's intra-op pool has
+# too few threads for a CTA's warpgroups (pallas_flash.mosaic.common.interpret_params says why).
+# The pool is sized by NPROC, else the core count, and read once, when JAX initialises; the
+# floor leaves room for the kernel's own callback and for independent kernels of one program.
+# Elsewhere it only lets XLA split work over more threads than cores.
 _MIN_CPU_POOL = 16
 _cores = (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
           else os.cpu_count() or 1)

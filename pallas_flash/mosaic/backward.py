@@ -530,8 +530,6 @@ def backward(spec: AttentionSpec, q, k, v, out, stats: RowStats, do, dlse, q_ids
     if uses_fused(spec, q, k, cfg, head_dim_v):
         dq, dk, dv = fused_backward.fused_backward(spec, q, k, v, do, rows, cfg)
         return dq[:, :seq_q], dk[:, :seq_kv], dv[:, :seq_kv]
-    interpret = interpret_params(spec.interpret,
-                                 max(cfg.dkdv_compute_wgs(), cfg.dq_compute_wgs) + 1)
     compiler = plgpu.CompilerParams(approx_math=True)
 
     # ---- dK, dV ------------------------------------------------------------------------------
@@ -578,7 +576,7 @@ def backward(spec: AttentionSpec, q, k, v, out, stats: RowStats, do, dlse, q_ids
         num_threads=wgs + 1,
         thread_name="wg",
         compiler_params=compiler,
-        interpret=interpret,
+        interpret=interpret_params(spec.interpret, wgs + 1),
         kernel_name=DKDV_KERNEL_NAME,
     )(*args)
 
@@ -616,7 +614,7 @@ def backward(spec: AttentionSpec, q, k, v, out, stats: RowStats, do, dlse, q_ids
         num_threads=wgs + 1,
         thread_name="wg",
         compiler_params=compiler,
-        interpret=interpret,
+        interpret=interpret_params(spec.interpret, wgs + 1),
         kernel_name=DQ_KERNEL_NAME,
     )(*args)
     return dq[:, :seq_q], dk[:, :seq_kv], dv[:, :seq_kv]
