@@ -144,7 +144,7 @@ def select_variants(args, parser) -> list[cases.Case]:
     if args.variants == "all":
         return every
     names = [n.strip() for n in args.variants.split(",") if n.strip()]
-    known = [c.variant for c in every]
+    known = list(dict.fromkeys(c.variant for c in every))
     unknown = sorted(set(names) - set(known))
     if unknown or not names:
         parser.error(f"--variants takes names from {', '.join(known)}; got {args.variants!r}")

@@ -85,11 +85,12 @@ def seq_label(seq: int) -> str:
 
 
 def variant_cases() -> list[Case]:
-    """The variant cases; all bf16 (or --dtype), head_dim 128, causal."""
+    """The variant cases; all bf16 (or --dtype), causal, head_dim 128 unless noted."""
     return [
         Case(1, 16384, 16, 16, 128, True, "packed"),   # 12 documents in 16k tokens
         Case(1, 32768, 16, 16, 128, True, "window"),   # sliding window 4096
         Case(2, 8192, 16, 16, 128, True, "softcap"),   # logit softcap 50
+        Case(2, 8192, 16, 8, 256, True, "softcap"),    # and at Gemma 2's head_dim and GQA
         Case(2, 8192, 16, 16, 128, True, "sinks"),     # one sink logit per head, N(0, 1)
     ]
 

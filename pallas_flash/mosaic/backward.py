@@ -176,14 +176,24 @@ def _dkdv_body(q_ref, k_ref, v_ref, do_ref, st_ref, q_ids_ref, kv_ids_ref, cta_s
 
         def paired_step(dk, dv, fk, slot, q_blk, do_blk, st, shape, wait_q, visible_fn):
             """A step of `dkdv_paired`: warpgroup 0 forms P^T and hands it over, warpgroup 1
-            forms dP^T and dS^T and hands that back; each adds its columns of dV and dK."""
+            forms dP^T and dS^T and hands that back; each adds its columns of dV and dK.
+
+            With a softcap, dS^T needs P^T (1 - t^2) and dV needs P^T: warpgroup 0 hands over
+            the first in float32 and the second in the input dtype, through the dS^T buffer,
+            which holds nothing until warpgroup 1 writes this step's dS^T there (a third tile
+            does not fit shared memory at head_dim 256)."""
             wait_do = lambda: plgpu.barrier_wait(do_loaded.at[slot])
             if split == 0:
                 wait_q()
-                p_t, _, _ = transposed_probabilities(spec, c, my_k, q_blk, st, shape,
-                                                     visible_fn)
+                p_t, t_t, _ = transposed_probabilities(spec, c, my_k, q_blk, st, shape,
+                                                       visible_fn)
                 plgpu.barrier_wait(pt_free)
-                pt_smem[...] = p_t
+                if t_t is None:
+                    pt_smem[...] = p_t
+                else:
+                    pt_smem[...] = p_t * (1.0 - t_t * t_t)
+                    ds_smem[...] = p_t.astype(dtype)
+                    plgpu.commit_smem()  # read by the partner's wgmma (the async proxy)
                 plgpu.barrier_arrive(pt_ready)
                 wait_do()
                 dv = product(dv, p_t.astype(dtype), do_blk.at[do_cols],
@@ -200,19 +210,23 @@ def _dkdv_body(q_ref, k_ref, v_ref, do_ref, st_ref, q_ids_ref, kv_ids_ref, cta_s
             wait_do()
             dp_t = matmul(my_v, do_blk.T, shape)
             plgpu.barrier_wait(pt_ready)
-            p_t = plgpu.load(pt_smem)
+            p_t = plgpu.load(pt_smem)  # P^T, or P^T (1 - t^2) with a softcap
             plgpu.barrier_arrive(pt_free)
             ds_t = transposed_score_grads(p_t, dp_t, st, None,
                                           None if visible_fn is None else visible_fn())
             ds_in, rescale, fk = cast_rows(ds_t, fk, dtype)
+            if spec.softcap is not None:
+                # P^T waits in the dS^T buffer: into dV before dS^T takes its place.
+                dv = accumulate(dv, ds_smem, do_blk.at[do_cols], interpret=spec.interpret)
             plgpu.barrier_wait(ds_free)
             ds_smem[...] = ds_in
             if rescale is not None:
                 fk_smem[...] = fk
             plgpu.commit_smem()  # dS^T is read by the partner's wgmma (the async proxy)
             plgpu.barrier_arrive(ds_ready)
-            dv = product(dv, p_t.astype(dtype), do_blk.at[do_cols],
-                         interpret=spec.interpret, stage_ref=stage)
+            if spec.softcap is None:
+                dv = product(dv, p_t.astype(dtype), do_blk.at[do_cols],
+                             interpret=spec.interpret, stage_ref=stage)
             if rescale is not None:
                 dk = dk * bcast_rows(rescale, dk.shape)
             dk = product(dk, ds_in, q_blk.at[q_cols], interpret=spec.interpret,

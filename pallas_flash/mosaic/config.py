@@ -217,7 +217,7 @@ class MosaicBackwardConfig:
     fused_profile_dir: str = ""
     # At head_dim 256 the dK/dV kernel's two warpgroups own the same 64 keys (split columns):
     # divide the recomputation (one forms P^T, the other dP^T and dS^T, exchanged through
-    # shared memory), 4 matmul units a step instead of 6. Not with a softcap.
+    # shared memory), 4 matmul units a step instead of 6.
     dkdv_paired: bool = False
     # kv heads whose key tiles the fused kernel interleaves in its launch order (schedule.py);
     # None: up to four at batch 1 (consecutive CTAs then alternate between chains of dQ adds).
@@ -270,8 +270,7 @@ class MosaicBackwardConfig:
 
     def dkdv_pairs(self, spec: AttentionSpec, head_dim: int) -> bool:
         """Whether the dK/dV kernel runs paired (`dkdv_paired`) for this call."""
-        return (self.dkdv_paired and self.dkdv_col_splits(head_dim) > 1
-                and spec.softcap is None)
+        return self.dkdv_paired and self.dkdv_col_splits(head_dim) > 1
 
     # ---- budgets (compiled path; interpret mode adds staging buffers) ------------------------
 
@@ -282,8 +281,8 @@ class MosaicBackwardConfig:
         kv = self.dkdv_block_kv(head_dim) * both * itemsize
         stream = self.dkdv_stages * (self.dkdv_block_q * both * itemsize
                                      + 3 * self.dkdv_block_q * 4)
-        # The paired exchange (counted even where a softcap turns it off): P^T in float32,
-        # dS^T in the input dtype, the float16 row scales.
+        # The paired exchange: P^T in float32, dS^T (with a softcap, P^T first) in the input
+        # dtype, the float16 row scales.
         paired = (WG_ROWS * self.dkdv_block_q * (4 + itemsize) + WG_ROWS * 4
                   if self.dkdv_paired and self.dkdv_col_splits(head_dim) > 1 else 0)
         return kv + stream + paired + SMEM_RESERVED
