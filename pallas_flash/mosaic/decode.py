@@ -195,6 +195,37 @@ def _bcast_cols(x, shape):
     return lax.broadcast_in_dim(x, shape, [1])
 
 
+def _full_blocks(plan, block_kv: int, kv_len, key_lo, key_hi, lo, hi):
+    """(full_lo, full_hi): the blocks of [lo, hi) that hold only keys every query row sees:
+    inside the split, below kv_len, at or before query 0's position, at or after the last
+    query's window. The blocks on either side take the mask."""
+    need = key_lo
+    if plan.window_left is not None:
+        need = jnp.maximum(need, kv_len - 1 - plan.window_left)
+    last_full = jnp.minimum(key_hi, kv_len - plan.q_len + 1)
+    full_lo = _clip(lax.div(jnp.maximum(need, 0) + (block_kv - 1), jnp.int32(block_kv)), lo, hi)
+    full_hi = _clip(lax.div(jnp.maximum(last_full, 0), jnp.int32(block_kv)), full_lo, hi)
+    return full_lo, full_hi
+
+
+def _online_softmax(step, init, *, lo, full_lo, full_hi, n_steps):
+    """step(i, carry, masked) over the split's blocks i = 0 .. n_steps - 1 (block lo + i): the
+    masked leading edge, the unmasked middle, the masked trailing edge."""
+    masked = functools.partial(step, masked=True)
+    carry = lax.fori_loop(jnp.int32(0), full_lo - lo, masked, init)
+    carry = lax.fori_loop(full_lo - lo, full_hi - lo, functools.partial(step, masked=False),
+                          carry)
+    return lax.fori_loop(full_hi - lo, n_steps, masked, carry)
+
+
+def _finish(acc, m, l, bcast, logit_scale: float):
+    """(O, lse) of the split's rows from the loop's (acc, m, l); bcast spreads a row vector
+    over acc. A row that saw no key (l = 0) leaves with O = 0 and lse = -inf."""
+    seen = l != 0.0
+    out = jnp.where(bcast(seen, acc.shape), acc / bcast(jnp.where(seen, l, 1.0), acc.shape), 0.0)
+    return out, jnp.where(m == -jnp.inf, 0.0, m) * logit_scale + jnp.log(l)
+
+
 def _compute_keys_as_m(*, plan, tiles, q_ref, o_ref, lse_ref, q_smem, k_smem, v_smem, p_smem,
                        o_smem, lse_smem, q_loaded, k_loaded, v_loaded, free, wg, batch, kv_head,
                        split, row0, kv_len, key_lo, key_hi, lo, hi, n_steps):
@@ -216,13 +247,7 @@ def _compute_keys_as_m(*, plan, tiles, q_ref, o_ref, lse_ref, q_smem, k_smem, v_
         # rows-as-M path: jax 0.12 refuses a static slice past an array's end at trace time.
         plgpu.copy_gmem_to_smem(q_ref.at[batch * plan.kv_heads + kv_head, pl.ds(row0, n)],
                                 q_smem.at[0], q_loaded.at[0])
-        need = key_lo
-        if plan.window_left is not None:
-            need = jnp.maximum(need, kv_len - 1 - plan.window_left)
-        last_full = jnp.minimum(key_hi, kv_len - q_len + 1)
-        full_lo = _clip(lax.div(jnp.maximum(need, 0) + (block_kv - 1), jnp.int32(block_kv)),
-                        lo, hi)
-        full_hi = _clip(lax.div(jnp.maximum(last_full, 0), jnp.int32(block_kv)), full_lo, hi)
+        full_lo, full_hi = _full_blocks(plan, block_kv, kv_len, key_lo, key_hi, lo, hi)
         seen_hi = jnp.minimum(key_hi, lax.div(plan.rows - 1, group) + (kv_len - q_len + 1))
         seen_lo = key_lo
         if plan.window_left is not None:
@@ -277,15 +302,10 @@ def _compute_keys_as_m(*, plan, tiles, q_ref, o_ref, lse_ref, q_smem, k_smem, v_
                               plgpu.Layout.WGMMA.reduce(0))
         l = plgpu.layout_cast(jnp.zeros((n,), jnp.float32), plgpu.Layout.WGMMA.reduce(0))
         plgpu.barrier_wait(q_loaded.at[0])
-        masked = functools.partial(step, masked=True)
-        carry = lax.fori_loop(jnp.int32(0), full_lo - lo, masked, (acc, m, l))
-        carry = lax.fori_loop(full_lo - lo, full_hi - lo, functools.partial(step, masked=False),
-                              carry)
-        acc, m, l = lax.fori_loop(full_hi - lo, n_steps, masked, carry)
-        seen = l != 0.0
-        out = jnp.where(_bcast_cols(seen, acc.shape),
-                        acc / _bcast_cols(jnp.where(seen, l, 1.0), acc.shape), 0.0)
-        lse_smem.at[0][...] = jnp.where(m == -jnp.inf, 0.0, m) * logit_scale + jnp.log(l)
+        acc, m, l = _online_softmax(step, (acc, m, l), lo=lo, full_lo=full_lo, full_hi=full_hi,
+                                    n_steps=n_steps)
+        out, lse = _finish(acc, m, l, _bcast_cols, logit_scale)
+        lse_smem.at[0][...] = lse
         o_smem.at[0][...] = out
         plgpu.commit_smem()
         cell_out = (batch * plan.kv_heads + kv_head) * plan.num_splits + split
@@ -345,15 +365,7 @@ def _kernel(*refs, plan, tiles: DecodeTiles, n_tiles: int):
             q_ref.at[batch * plan.kv_heads + kv_head, pl.ds(row0, WG_ROWS)], my_q,
             q_loaded.at[wg])
 
-        # Blocks [full_lo, full_hi) hold only keys every query row sees: inside the split,
-        # below kv_len, at or before query 0's position, at or after the last query's window.
-        need = key_lo
-        if plan.window_left is not None:
-            need = jnp.maximum(need, kv_len - 1 - plan.window_left)
-        last_full = jnp.minimum(key_hi, kv_len - q_len + 1)
-        full_lo = _clip(lax.div(jnp.maximum(need, 0) + (block_kv - 1), jnp.int32(block_kv)),
-                        lo, hi)
-        full_hi = _clip(lax.div(jnp.maximum(last_full, 0), jnp.int32(block_kv)), full_lo, hi)
+        full_lo, full_hi = _full_blocks(plan, block_kv, kv_len, key_lo, key_hi, lo, hi)
 
         # Keys [seen_lo, seen_hi) are the ones some query row of this CTA sees (its first row
         # has the earliest window, its last real row the latest causal bound): the only V rows
@@ -446,17 +458,10 @@ def _kernel(*refs, plan, tiles: DecodeTiles, n_tiles: int):
                               plgpu.Layout.WGMMA.reduce(1))
         l = plgpu.layout_cast(jnp.zeros((WG_ROWS,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
         plgpu.barrier_wait(q_loaded.at[wg])
-        masked = functools.partial(step, masked=True)
-        carry = lax.fori_loop(jnp.int32(0), full_lo - lo, masked, (acc, m, l))
-        carry = lax.fori_loop(full_lo - lo, full_hi - lo, functools.partial(step, masked=False),
-                              carry)
-        acc, m, l = lax.fori_loop(full_hi - lo, n_steps, masked, carry)
-
-        # A row that saw no key (l = 0) leaves with O = 0 and lse = -inf.
-        seen = l != 0.0
-        out = jnp.where(_bcast_rows(seen, acc.shape),
-                        acc / _bcast_rows(jnp.where(seen, l, 1.0), acc.shape), 0.0)
-        lse_smem.at[wg][...] = jnp.where(m == -jnp.inf, 0.0, m) * logit_scale + jnp.log(l)
+        acc, m, l = _online_softmax(step, (acc, m, l), lo=lo, full_lo=full_lo, full_hi=full_hi,
+                                    n_steps=n_steps)
+        out, lse = _finish(acc, m, l, _bcast_rows, logit_scale)
+        lse_smem.at[wg][...] = lse
         # Every store stays inside the outputs: whole 64-row pieces, then the last piece's
         # rows alone (a TMA box past the rows axis would reach the next cell's rows). O leaves
         # in column pieces through one float32 staging buffer (head_dim 256 fits no larger).
