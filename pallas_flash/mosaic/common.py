@@ -88,13 +88,8 @@ def unsupported_operands(which: str, q, k, v, *, v_head_dim_may_differ: bool = F
 
 def exp2_tanh(x):
     """tanh(x) as 1 - 2 / (2^(2 x log2 e) + 1): under approx_math a plain tanh is ~2^-11 off,
-    so a pass's m and r would not match another pass's P; ex2.approx is a few ulps off.
-
-    The reciprocal is rsqrt(y)^2: rsqrt.approx is one multi-function-unit instruction, about
-    2^-22 off, where a float32 division lowers to IEEE-rounded div.rn, a subroutine of a
-    reciprocal, Newton steps and a range check. y >= 1, so no special case: y = inf gives 1."""
-    r = lax.rsqrt(jnp.exp2(x * (2.0 * LOG2E)) + 1.0)
-    return 1.0 - 2.0 * (r * r)
+    so a pass's m and r would not match another pass's P; ex2.approx is a few ulps off."""
+    return 1.0 - 2.0 / (jnp.exp2(x * (2.0 * LOG2E)) + 1.0)
 
 
 def logit_units(spec: AttentionSpec, s):
