@@ -129,7 +129,7 @@ def _dkdv_body(q_ref, k_ref, v_ref, do_ref, st_ref, q_ids_ref, kv_ids_ref, cta_s
                spec: AttentionSpec, cfg: MosaicBackwardConfig, group: int, head_dim: int,
                head_dim_v: int, order: TileGrid):
     mask = spec.mask
-    paired = cfg.dkdv_pairs(spec, head_dim)
+    paired = cfg.dkdv_pairs(head_dim)
     if paired:
         (pt_smem, ds_smem, fk_smem, pt_ready, pt_free, ds_ready,
          ds_free), stage_smem = extra_smem[:7], extra_smem[7:]
@@ -567,7 +567,7 @@ def backward(spec: AttentionSpec, q, k, v, out, stats: RowStats, do, dlse, q_ids
         plgpu.Barrier(num_arrivals=wgs, num_barriers=st),
         plgpu.Barrier(num_arrivals=wgs),
     ]
-    if cfg.dkdv_pairs(spec, head_dim):
+    if cfg.dkdv_pairs(head_dim):
         scratch += [plgpu.SMEM((WG_ROWS, bq), jnp.float32),  # P^T
                     plgpu.SMEM((WG_ROWS, bq), dtype),        # dS^T
                     plgpu.SMEM((WG_ROWS,), jnp.float32),     # dS^T's float16 row scales

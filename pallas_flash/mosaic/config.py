@@ -268,7 +268,7 @@ class MosaicBackwardConfig:
         """Query rows per dQ CTA."""
         return WG_ROWS * self.dq_compute_wgs
 
-    def dkdv_pairs(self, spec: AttentionSpec, head_dim: int) -> bool:
+    def dkdv_pairs(self, head_dim: int) -> bool:
         """Whether the dK/dV kernel runs paired (`dkdv_paired`) for this call."""
         return self.dkdv_paired and self.dkdv_col_splits(head_dim) > 1
 
