@@ -284,7 +284,7 @@ class MosaicBackwardConfig:
         # The paired exchange: P^T in float32, dS^T (with a softcap, P^T first) in the input
         # dtype, the float16 row scales.
         paired = (WG_ROWS * self.dkdv_block_q * (4 + itemsize) + WG_ROWS * 4
-                  if self.dkdv_paired and self.dkdv_col_splits(head_dim) > 1 else 0)
+                  if self.dkdv_pairs(head_dim) else 0)
         return kv + stream + paired + SMEM_RESERVED
 
     def dq_smem_bytes(self, head_dim: int, itemsize: int = 2,
