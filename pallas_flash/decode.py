@@ -24,7 +24,7 @@ import numpy as np
 
 from pallas_flash import attention, validation
 from pallas_flash.attention import kernel_options
-from pallas_flash.mosaic.config import HOPPER_SMS
+from pallas_flash.mosaic.schedule import device_sms
 from pallas_flash.sinks import apply_sinks, check_sinks
 from pallas_flash.triton import decode as triton_decode
 
@@ -158,10 +158,6 @@ def fills_one_wave(plan: DecodePlan, num_sms: int) -> bool:
     return plan.batch * plan.kv_heads * plan.num_splits <= num_sms
 
 
-def _sm_count() -> int:
-    return int(getattr(jax.devices()[0], "core_count", 0) or HOPPER_SMS)
-
-
 def _is_int(x) -> bool:
     return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
 
@@ -235,7 +231,7 @@ def _validate(q, k_cache, v_cache, kv_lengths, block_table, *, scale, softcap, w
 
     align = max(CHUNK_ALIGN, page_size or 1)
     if num_splits is None:
-        num_splits = choose_num_splits(batch, kv_heads, max_len, _sm_count(), align)
+        num_splits = choose_num_splits(batch, kv_heads, max_len, device_sms(), align)
     num_splits, chunk = split_geometry(max_len, int(num_splits), align)
     group = q_heads // kv_heads
     plan = DecodePlan(
@@ -266,7 +262,7 @@ def _choose_backend(backend: str, plan: DecodePlan) -> str:
             return "triton"
         mosaic = _mosaic_module()
         served = mosaic is not None and mosaic.unsupported_reason(plan) is None
-        return "mosaic" if served and fills_one_wave(plan, _sm_count()) else "triton"
+        return "mosaic" if served and fills_one_wave(plan, device_sms()) else "triton"
     mosaic = _mosaic_module()
     if mosaic is None:
         raise ValueError("backend='mosaic' has no decode kernel in this installation; "

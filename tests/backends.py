@@ -170,4 +170,25 @@ VARIANTS = [
              interpret=("features/softcap-full-mqa", "features/window-causal-softcap")),
 ]
 
-BACKENDS = [TRITON, MOSAIC, *VARIANTS]
+
+def _backward_variant(name, fields, *, groups, interpret=()):
+    return dataclasses.replace(MOSAIC, name=name, passes=frozenset({"backward"}),
+                               groups=frozenset(groups), backward_fields=tuple(fields.items()),
+                               interpret=frozenset(interpret), head_dims=frozenset({64, 128}))
+
+
+# The persistent fused backward (schedule.persistent_plan): a CTA per SM; then grids chosen
+# against the deadlock argument: one CTA running every item in turn, and three CTAs with more
+# items than CTAs, the first items handed to the CTA that launches last.
+PERSISTENT = dict(fused_persistent=True)
+BACKWARD_VARIANTS = [
+    _backward_variant("mosaic-persistent", PERSISTENT, groups=("fused",),
+                      interpret=("fused/causal-gqa",)),
+    _backward_variant("mosaic-persistent-1cta", dict(PERSISTENT, fused_ctas=1),
+                      groups=("fused",), interpret=("fused/partial-bottom-right-mqa",)),
+    _backward_variant("mosaic-persistent-3ctas-reversed",
+                      dict(PERSISTENT, fused_ctas=3, fused_handout="reversed"),
+                      groups=("fused",), interpret=("fused/window-softcap-d64-f16",)),
+]
+
+BACKENDS = [TRITON, MOSAIC, *VARIANTS, *BACKWARD_VARIANTS]

@@ -247,7 +247,7 @@ def test_auto_sends_other_head_dims_to_triton_on_hopper(monkeypatch, head_dim, b
 ])
 def test_auto_takes_mosaic_only_for_one_wave(monkeypatch, batch, kv_heads, num_splits, backend):
     monkeypatch.setattr(decode.attention, "_is_sm90", lambda: True)
-    monkeypatch.setattr(decode, "_sm_count", lambda: 132)
+    monkeypatch.setattr(decode, "device_sms", lambda: 132)
     plan = _plan(batch=batch, kv_heads=kv_heads, q_heads=4 * kv_heads, num_splits=num_splits,
                  max_len=256 * num_splits)
     assert decode._choose_backend("auto", plan) == backend

@@ -85,6 +85,24 @@ def test_lowers_for_sm90(b, d, causal, options, dtype):
     assert "mosaic_gpu" in text
 
 
+@pytest.mark.parametrize("d,causal,options,dtype,fields", [
+    (128, True, {}, jnp.bfloat16, {}),
+    (64, False, dict(window=(100, 50), softcap=30.0), jnp.float16, dict(fused_ctas=3)),
+    (128, True, {}, jnp.bfloat16, dict(fused_launches=2, fused_handout="reversed")),
+], ids=["causal", "window-softcap-d64-f16-3ctas", "causal-split-reversed"])
+def test_persistent_lowers_for_sm90(d, causal, options, dtype, fields):
+    """The persistent grid (items looped per CTA, the K / V buffers handed back between them,
+    the plan read from global memory) lowers for sm_90, split over launches too."""
+    seq = 1001
+    q, k, v, _, stats, do, _ = backward_args(2, seq, seq, 4, 2, d, dtype)
+    spec = make_spec(seq, seq, d, dtype, causal=causal, interpret=False, **options)
+    cfg = dataclasses.replace(FUSED, fused_persistent=True, **fields)
+    fn = jax.jit(lambda *a: mosaic.backward(spec, *a, config=cfg))
+    text = fn.trace(q, k, v, q, stats, do, stats.m).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
+
+
 def _largest_value(jaxpr) -> int:
     """Elements of the largest array any equation of `jaxpr` (or of the jaxprs inside it, the
     kernel bodies included) produces."""

@@ -210,3 +210,158 @@ def test_fused_head_chunks_give_the_same_bits():
     for chunk in (2, 4):
         for name, g, h in zip(("dq", "dk", "dv"), grads(chunk), unchunked):
             np.testing.assert_array_equal(np.asarray(g), np.asarray(h), err_msg=f"{name} {chunk}")
+
+
+# ---- the persistent fused backward ------------------------------------------------------------
+
+def _plan_case(sq, skv, causal, window=None, kv_heads=2, group=2, batch=2, chunk=1):
+    mask = make_mask_spec(sq, skv, causal=causal, window=window)
+    n_blocks = -(-sq // FUSED_BLOCK_Q)
+    return mask, n_blocks, dict(kv_heads=kv_heads, group=group, batch=batch, chunk=chunk)
+
+
+def _items_of(plan):
+    return [list(row[1:1 + row[0]]) for row in plan]
+
+
+def _waits(mask, n_blocks, n_tiles, chunk, batch):
+    """For each item (fused_item's numbering, from schedule.fused_item) the items it waits on:
+    in each q block it adds to, the lower tiles of its (kv head, batch) that add there first."""
+    first, last = schedule.fused_first_tiles(mask, n_blocks)
+
+    def item_of(tile, head, b):
+        return ((head // chunk) * n_tiles + tile) * (chunk * batch) + (head % chunk) * batch + b
+
+    def waits(item):
+        inner = item % (chunk * batch)
+        tile = (item // (chunk * batch)) % n_tiles
+        head = (item // (chunk * batch * n_tiles)) * chunk + inner // batch
+        b = inner % batch
+        lows = [int(first[j]) for j in range(n_blocks) if first[j] <= tile < last[j]]
+        low = min(lows, default=tile)
+        return {item_of(t, head, b) for t in range(low, tile)}
+
+    return waits
+
+
+def _finishes(plan, waits):
+    """Runs the plan as resident CTAs would: each CTA's current item finishes once every item
+    it waits on has. True if all finish, False at a deadlock (no CTA can move)."""
+    queues = _items_of(plan)
+    done, pos = set(), [0] * len(queues)
+    while True:
+        moved = False
+        for c, queue in enumerate(queues):
+            while pos[c] < len(queue) and waits(queue[pos[c]]) <= done:
+                done.add(queue[pos[c]])
+                pos[c] += 1
+                moved = True
+        if all(p == len(q) for p, q in zip(pos, queues)):
+            return True
+        if not moved:
+            return False
+
+
+@pytest.mark.parametrize("sq,skv,causal,window,ctas,handout", [
+    (1000, 1000, True, None, 132, "longest_first"),
+    (1000, 1000, True, None, 3, "reversed"),
+    (700, 1500, False, (200, 100), 5, "longest_first"),
+    (640, 640, False, None, 1, "longest_first"),
+    (2048, 2048, True, None, 7, "reversed"),
+])
+def test_persistent_plan_hands_out_every_item_once(sq, skv, causal, window, ctas, handout):
+    """Every item exactly once, each CTA's in handout order, the counts in column 0, and a
+    plan that runs to the end as resident CTAs run it; "reversed" is "longest_first" with the
+    CTAs mirrored."""
+    mask, n_blocks, kw = _plan_case(sq, skv, causal, window)
+    plan = schedule.persistent_plan(mask, n_blocks, ctas=ctas, handout=handout, **kw)
+    n_tiles = -(-skv // FUSED_CTA_KEYS)
+    n_items = kw["kv_heads"] * n_tiles * kw["batch"]
+    items = _items_of(plan)
+    assert plan.shape[0] == ctas
+    assert sorted(i for row in items for i in row) == list(range(n_items))
+    assert all(row == sorted(row) for row in items)
+    forward = schedule.persistent_plan(mask, n_blocks, ctas=ctas, **kw)
+    if handout == "reversed":
+        np.testing.assert_array_equal(plan, forward[::-1])
+    waits = _waits(mask, n_blocks, n_tiles, kw["chunk"], kw["batch"])
+    assert _finishes(plan, waits)
+
+
+def test_deadlock_check_can_fail():
+    """The simulation above finds a deadlock where there is one: each CTA running its items
+    in the reverse of handout order, a tile then waits on a lower tile queued behind it."""
+    mask, n_blocks, kw = _plan_case(1000, 1000, True)
+    plan = schedule.persistent_plan(mask, n_blocks, ctas=3, **kw)
+    backwards = plan.copy()
+    for row in backwards:
+        row[1:1 + row[0]] = row[1:1 + row[0]][::-1]
+    waits = _waits(mask, n_blocks, -(-1000 // FUSED_CTA_KEYS), kw["chunk"], kw["batch"])
+    assert _finishes(plan, waits)
+    assert not _finishes(backwards, waits)
+
+
+def test_persistent_plan_balances_causal_work():
+    """Greedy least-loaded in longest-first order: no CTA's work exceeds the mean by more than
+    one item's (list scheduling's bound), on a causal mask where tile costs differ 16-fold."""
+    mask, n_blocks, kw = _plan_case(2048, 2048, True, kv_heads=4, group=4, batch=1)
+    ctas = 13
+    plan = schedule.persistent_plan(mask, n_blocks, ctas=ctas, **kw)
+    first, last = schedule.fused_first_tiles(mask, n_blocks)
+    n_tiles = 2048 // FUSED_CTA_KEYS
+    tiles = np.arange(n_tiles)
+    seen = ((first[None, :] <= tiles[:, None]) & (tiles[:, None] < last[None, :])).sum(axis=1)
+    cost = kw["group"] * seen + schedule.ITEM_OVERHEAD_STEPS
+    assert cost.max() >= 8 * cost.min()
+    tile_of = lambda item: (item // kw["batch"]) % n_tiles  # noqa: E731
+    loads = [sum(int(cost[tile_of(i)]) for i in row) for row in _items_of(plan)]
+    assert max(loads) <= sum(loads) / ctas + cost.max()
+
+
+def test_persistent_plan_checks_its_handout():
+    mask, n_blocks, kw = _plan_case(256, 256, True)
+    with pytest.raises(ValueError, match="handout"):
+        schedule.persistent_plan(mask, n_blocks, ctas=2, handout="random", **kw)
+    with pytest.raises(ValueError, match="fused_handout"):
+        dataclasses.replace(FUSED, fused_handout="random")
+    with pytest.raises(ValueError, match="fused_ctas"):
+        dataclasses.replace(FUSED, fused_ctas=0)
+
+
+@pytest.mark.parametrize("ctas,expected", [(None, 16), (3, 3), (100, 16)])
+def test_persistent_grid_is_one_row_of_ctas(ctas, expected):
+    """One CTA per SM (HOPPER_SMS off a GPU), never more than the items: 2 kv heads x 4 key
+    tiles x batch 2 = 16."""
+    cfg = dataclasses.replace(FUSED, fused_persistent=True, fused_ctas=ctas)
+    q, k, v, _, row_stats, do, _ = backward_args(2, 512, 512, 4, 2, 128, jnp.bfloat16)
+    spec = make_spec(512, 512, 128, jnp.bfloat16, causal=True, interpret=False)
+    assert _fused_grid(spec, (q, k, v, q, row_stats, do, row_stats.m), cfg) == (expected,)
+
+
+@pytest.mark.skipif(not IS_HOPPER, reason=(
+    "compiled only: the interpreter runs a persistent CTA's items before the next CTA's, so "
+    "its dQ adds run in another order"))
+def test_persistent_gives_the_grids_bits():
+    """The persistent grid adds each q block's dQ in the same tile order as the launch-order
+    grid: its gradients are those of the grid, bit for bit, for every CTA count and handout,
+    and match the reference."""
+    b, s, hq, hkv, d, dtype = 2, 640, 4, 2, 128, jnp.bfloat16
+    q, k, v, do = random_inputs(jax.random.PRNGKey(67), b, s, s, hq, hkv, d, dtype)
+    dlse = jax.random.normal(jax.random.PRNGKey(68), (b, hq, s), jnp.float32)
+    spec = make_spec(s, s, d, dtype, causal=True)
+    out, row_stats = triton_forward.forward(spec, q, k, v)
+    ref = reference_grads(q, k, v, do, dlse, causal=True)
+
+    def grads(**fields):
+        cfg = dataclasses.replace(FUSED, **fields)
+        return jax.jit(lambda *a: mosaic_backward.backward(spec, *a, config=cfg))(
+            q, k, v, out, row_stats, do, dlse)
+
+    grid = grads()
+    for name, g, r in zip(("dq", "dk", "dv"), grid, ref):
+        assert_close(f"{name} vs reference", g, r, TOLERANCE[jnp.dtype(dtype)])
+    for fields in (dict(), dict(fused_ctas=1), dict(fused_ctas=3, fused_handout="reversed"),
+                   dict(fused_ctas=7)):
+        for name, g, h in zip(("dq", "dk", "dv"), grads(fused_persistent=True, **fields), grid):
+            np.testing.assert_array_equal(np.asarray(g), np.asarray(h),
+                                          err_msg=f"{name} {fields}")

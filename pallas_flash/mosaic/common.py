@@ -35,8 +35,9 @@ def _cpu_pool_threads() -> int:
         os.cpu_count() or 1)
 
 
-def interpret_params(interpret: bool, threads: int):
+def interpret_params(interpret: bool, threads: int, zero_memory: bool = False):
     """`interpret=` of a Mosaic kernel with `threads` warpgroups: None when compiled.
+    zero_memory: outputs and scratch start as zeros (else NaNs, which expose unwritten rows).
 
     The interpreter runs each warpgroup of a CTA as its own XLA:CPU computation, and parts of
     each run on XLA's intra-op pool; a warpgroup waiting at a barrier holds its pool thread. With
@@ -53,7 +54,7 @@ def interpret_params(interpret: bool, threads: int):
             f"concurrent XLA:CPU computations, but XLA's CPU thread pool has {pool} threads, so "
             "the call can hang. Set NPROC=16 in the environment before JAX starts.",
             InterpretThreadsWarning, stacklevel=2)
-    return plgpu.InterpretGPUParams()
+    return plgpu.InterpretGPUParams(uninitialized_memory="zero" if zero_memory else "nan")
 
 # Multiples of 16 (a wgmma K step, and 32-byte rows for TMA) from 32 to 256; above 128 the
 # dK/dV kernel splits the columns in two, so there multiples of 32 (halves of whole 16s).

@@ -39,6 +39,9 @@ FUSED_SPLIT_BYTES = 256 << 20
 FUSED_MAX_LAUNCHES = 8
 FUSED_MIN_WAVES = 4
 HOPPER_SMS = 132                    # an H100 / H200; decode's count where a device reports none
+# How the persistent fused backward hands out items (schedule.persistent_plan): longest
+# first, each to the least loaded CTA; or the same with the CTA indices mirrored (tests).
+HANDOUTS = ("longest_first", "reversed")
 
 
 def register_budget(warpgroups: int) -> int:
@@ -228,6 +231,15 @@ class MosaicBackwardConfig:
     # kv heads interleaved tile by tile in the two kernels' launch order (schedule.py); None:
     # one head at a time, or FlashAttention-3's L2 sections under a causal bound.
     head_chunk: int | None = None
+    # The fused kernel as a persistent grid: one CTA per SM runs (kv head, key tile) items
+    # handed out ahead of time (schedule.persistent_plan), the next item's Q / dO streaming in
+    # while this one stores dK / dV.
+    fused_persistent: bool = False
+    # CTAs of the persistent grid; None: the device's SMs. More than can be resident at once
+    # could deadlock (schedule.persistent_plan); fewer serve tests.
+    fused_ctas: int | None = None
+    # How the persistent grid hands out its items (HANDOUTS); "reversed" exists for tests.
+    fused_handout: str = "longest_first"
 
     def __post_init__(self):
         for name in ("dkdv_block_q", "dq_block_kv"):
@@ -245,8 +257,11 @@ class MosaicBackwardConfig:
         if self.dq_compute_wgs not in (1, 2):
             raise ValueError("MosaicBackwardConfig.dq_compute_wgs must be 1 or 2, "
                              f"got {self.dq_compute_wgs}")
-        for name in ("fused_head_chunk", "head_chunk", "fused_launches"):
+        for name in ("fused_head_chunk", "head_chunk", "fused_launches", "fused_ctas"):
             _check_chunk(f"MosaicBackwardConfig.{name}", getattr(self, name))
+        if self.fused_handout not in HANDOUTS:
+            raise ValueError(f"MosaicBackwardConfig.fused_handout must be one of {HANDOUTS}, "
+                             f"got {self.fused_handout!r}")
 
     # ---- geometry ---------------------------------------------------------------------------
 

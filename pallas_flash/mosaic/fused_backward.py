@@ -53,8 +53,9 @@ from pallas_flash.mosaic.config import FUSED_DS_BUFFERS as DS_BUFFERS
 from pallas_flash.mosaic.config import WG_ROWS
 from pallas_flash.mosaic.tiles import (F16_CAST_LIMIT, bcast_cols, bcast_rows, positions,
                                       product, transposed_weights, zeros_acc)
-from pallas_flash.mosaic.schedule import (fused_first_tiles, fused_grid, fused_head_chunk,
-                                         fused_launches, fused_position)
+from pallas_flash.mosaic.schedule import (device_sms, fused_first_tiles, fused_grid,
+                                         fused_head_chunk, fused_item, fused_launches,
+                                         fused_position, persistent_plan)
 from pallas_flash.mosaic.schedule import fused_first_tiles as _first_tiles  # noqa: F401
 from pallas_flash.mosaic.schedule import fused_grid as _grid  # noqa: F401
 from pallas_flash.mosaic.schedule import fused_head_chunk as head_chunk  # noqa: F401
@@ -136,12 +137,63 @@ def unsupported_reason(spec: AttentionSpec, q, k, cfg) -> str | None:
     return None
 
 
+class _Item:
+    """One work item of the fused kernel, a (key tile, kv head, batch): the q blocks its keys see
+    and the order of its stream steps. kv_head counts within the launch (it indexes dQ and the
+    semaphores); kv_global from the whole call's first kv head (K, V, dK, dV)."""
+
+    def __init__(self, mask, group: int, tile, kv_head, batch, head0):
+        self.tile, self.kv_head, self.batch = tile, kv_head, batch
+        self.kv_global = kv_head if head0 is None else kv_head + head0
+        self.kv_start = tile * CTA_KEYS
+        self.group = group
+        # The tile's q blocks, last first, once per q head of the group. With a position mask
+        # tiles see different numbers of blocks: block-major (at each block the group's heads
+        # in turn) keeps every tile one add behind the tile below; head-major would make a tile
+        # wait at each head change. Without one both orders are the same schedule, and
+        # head-major is faster.
+        self.block_major = group > 1 and mask.has_position_mask
+        self.cta_lo, _, _, self.cta_hi = mask.q_blocks(self.kv_start, CTA_KEYS, BLOCK_Q,
+                                                       mask.seq_kv, mask.seq_q)
+        n_cta = self.cta_hi - self.cta_lo
+        self.n_cta = n_cta
+        if group > 1 and not self.block_major:
+            self.per_head = jnp.maximum(n_cta, 1)
+        self.total = group * n_cta
+
+    def step_of(self, h, j):
+        """The stream step of q head h (within the group) at q block j."""
+        if self.group == 1:
+            return self.cta_hi - 1 - j
+        if self.block_major:
+            return (self.cta_hi - 1 - j) * self.group + h
+        return h * self.n_cta + (self.cta_hi - 1 - j)
+
+    def block_of(self, t):
+        """(q head, q block) of stream step t."""
+        group = self.group
+        if group == 1:
+            return self.kv_head, self.cta_hi - 1 - t
+        if self.block_major:
+            return (self.kv_head * group + lax.rem(t, jnp.int32(group)),
+                    self.cta_hi - 1 - lax.div(t, jnp.int32(group)))
+        return (self.kv_head * group + lax.div(t, self.per_head),
+                self.cta_hi - 1 - lax.rem(t, self.per_head))
+
+
+def _after(t0, t):
+    """Step t of an item whose steps start at t0 (a Python 0 for the one item of a CTA of the
+    launch-order grid, which then traces no add)."""
+    return t if isinstance(t0, int) and t0 == 0 else t0 + t
+
+
 def _fused_body(q_ref, k_ref, v_ref, do_ref, st_ref, dk_ref, dv_ref, dq_ref,
                 k_smem, v_smem, q_smem, do_smem, st_smem, ds_smem, dq_smem,
                 k_loaded, v_loaded, q_loaded, do_loaded, st_loaded, slot_free,
-                ds_ready, dq_ready, dq_free, both_done, *interp_smem,
+                ds_ready, dq_ready, dq_free, both_done, *more_smem,
                 spec: AttentionSpec, cfg, group: int, head_dim: int, q_heads: int,
-                n_qblocks: int, chunk: int, batch_size: int, head0_ref=None, kf_ref=None):
+                n_qblocks: int, n_tiles: int, chunk: int, batch_size: int, head0_ref=None,
+                kf_ref=None, plan_ref=None):
     mask = spec.mask
     dtype = q_ref.dtype
     stages, slots = cfg.fused_stages, cfg.fused_dq_slots
@@ -149,62 +201,46 @@ def _fused_body(q_ref, k_ref, v_ref, do_ref, st_ref, dk_ref, dv_ref, dq_ref,
     f16 = jnp.dtype(dtype) == jnp.float16
     c = logit_scale(spec) * LOG2E
     kv_len = mask.seq_kv if mask.seq_kv % WG_ROWS else None
+    persistent = plan_ref is not None
+    # The persistent grid's extra barrier: K and V's buffers free for the next item.
+    kv_free = more_smem[0] if persistent else None
+    interp_smem = more_smem[1:] if persistent else more_smem
 
-    # kv_head and q heads count within this launch (`_fused`): they index dq_ref and the
-    # semaphores; K, V, dK, dV, Q, dO and the statistics are indexed from the launch's first kv
-    # head on, read from head0_ref (data, so that every launch runs one compiled kernel).
-    tile, kv_head, batch, wg = fused_position(mask, chunk, batch_size)
+    # K, V, dK, dV, Q, dO and the statistics are indexed from the launch's first kv head on,
+    # read from head0_ref (data, so that every launch runs one compiled kernel).
     head0 = None if head0_ref is None else head0_ref[0]
-    kv_global = kv_head if head0 is None else kv_head + head0
-    kv_start = tile * CTA_KEYS
+    if persistent:
+        # This CTA's items, in the order it runs them (schedule.persistent_plan).
+        wg = lax.axis_index("wg")
+        cta = lax.axis_index("cta")
+        n_items = plan_ref[cta, 0]
 
-    # The CTA's q blocks, last first, once per q head of the group. With a position mask tiles
-    # see different numbers of blocks: block-major (at each block the group's heads in turn)
-    # keeps every tile one add behind the tile below; head-major would make a tile wait at each
-    # head change. Without one both orders are the same schedule, and head-major is faster.
-    block_major = group > 1 and mask.has_position_mask
-    cta_lo, _, _, cta_hi = mask.q_blocks(kv_start, CTA_KEYS, BLOCK_Q, mask.seq_kv, mask.seq_q)
-    n_cta = cta_hi - cta_lo
-    if group > 1 and not block_major:
-        per_head = jnp.maximum(n_cta, 1)
-    total = group * n_cta
+        def item(n):
+            tile, kv_head, batch = fused_item(plan_ref[cta, n + 1], n_tiles, chunk, batch_size)
+            return _Item(mask, group, tile, kv_head, batch, head0)
 
-    def step_of(h, j):
-        if group == 1:
-            return cta_hi - 1 - j
-        if block_major:
-            return (cta_hi - 1 - j) * group + h
-        return h * n_cta + (cta_hi - 1 - j)
+        def over_items(fn):
+            """fn(n, t0) for this CTA's items n, t0 the stream steps of the items before n;
+            fn returns t0 plus its item's steps. Returns the CTA's steps."""
+            return lax.fori_loop(jnp.int32(0), n_items, fn, jnp.int32(0))
+    else:
+        tile, kv_head, batch, wg = fused_position(mask, chunk, batch_size)
+        only = _Item(mask, group, tile, kv_head, batch, head0)
 
-    def block_of(t):
-        """(q head, q block) of stream step t."""
-        if group == 1:
-            return kv_head, cta_hi - 1 - t
-        if block_major:
-            return (kv_head * group + lax.rem(t, jnp.int32(group)),
-                    cta_hi - 1 - lax.div(t, jnp.int32(group)))
-        return kv_head * group + lax.div(t, per_head), cta_hi - 1 - lax.rem(t, per_head)
+        def item(n):
+            return only
+
+        def over_items(fn):
+            return fn(0, 0)
 
     def compute(w: int):
         plgpu.set_max_registers(cfg.compute_registers, action="increase")
-        key0 = kv_start + w * WG_ROWS
-        lo, full_lo, full_hi, hi = clamp_range(
-            mask.q_blocks(key0, WG_ROWS, BLOCK_Q, mask.seq_kv, mask.seq_q), cta_lo, cta_hi)
         my_k, my_v = k_smem.at[w], v_smem.at[w]
         stage = interp_smem[0].at[w] if spec.interpret else None
-        if f16:
-            # dK's cast factor of each of this warpgroup's keys (`dk_cast_scales`).
-            kf = plgpu.load(kf_ref.at[batch, kv_global, pl.ds(key0, WG_ROWS)], optimized=False)
-            inv_kf = 1.0 / kf
         shape = (WG_ROWS, BLOCK_Q)
         # dQ columns this warpgroup computes, from col0 (all of them on its turns).
         cols = head_dim if by_turns else head_dim // 2
         col0 = 0 if by_turns else w * cols
-        # The dQ product reads both key tiles.
-        with jax.named_scope("kv_wait"):
-            plgpu.barrier_wait(k_loaded.at[0])
-            plgpu.barrier_wait(k_loaded.at[1])
-            plgpu.barrier_wait(v_loaded.at[w])
 
         def exchange(t, ds_t):
             """Share dS^T, then this warpgroup's share of dQ_partial = dS K over the CTA's 128
@@ -250,103 +286,139 @@ def _fused_body(q_ref, k_ref, v_ref, do_ref, st_ref, dk_ref, dv_ref, dq_ref,
                 dslot = product_to_slot()
             plgpu.barrier_arrive(dq_ready.at[dslot])
 
-        def step(h, i, carry, masked: bool):
-            dk, dv = carry
-            t = step_of(h, i)
-            slot = lax.rem(t, jnp.int32(stages))
-            q_blk, do_blk, st = q_smem.at[slot], do_smem.at[slot], st_smem.at[slot]
-            def wait_q():
+        def item_work(n, t0):
+            it = item(n)
+            key0 = it.kv_start + w * WG_ROWS
+            lo, full_lo, full_hi, hi = clamp_range(
+                mask.q_blocks(key0, WG_ROWS, BLOCK_Q, mask.seq_kv, mask.seq_q), it.cta_lo,
+                it.cta_hi)
+            cta_hi = it.cta_hi
+            if f16:
+                # dK's cast factor of each of this warpgroup's keys (`dk_cast_scales`).
+                kf = plgpu.load(kf_ref.at[it.batch, it.kv_global, pl.ds(key0, WG_ROWS)],
+                                optimized=False)
+                inv_kf = 1.0 / kf
+            # The dQ product reads both key tiles.
+            with jax.named_scope("kv_wait"):
+                plgpu.barrier_wait(k_loaded.at[0])
+                plgpu.barrier_wait(k_loaded.at[1])
+                plgpu.barrier_wait(v_loaded.at[w])
+
+            def step(h, i, carry, masked: bool):
+                dk, dv = carry
+                t = _after(t0, it.step_of(h, i))
+                slot = lax.rem(t, jnp.int32(stages))
+                q_blk, do_blk, st = q_smem.at[slot], do_smem.at[slot], st_smem.at[slot]
+
+                def wait_q():
+                    plgpu.barrier_wait(q_loaded.at[slot])
+                    plgpu.barrier_wait(st_loaded.at[slot])
+
+                def visible_fn():
+                    k_pos, q_pos = positions(shape, key0, i * BLOCK_Q)
+                    return mask.visible(q_pos, k_pos, kv_len)
+
+                p_t, ds_t = transposed_weights(
+                    spec, c, my_k, my_v, q_blk, do_blk, st, shape, wait_q=wait_q,
+                    wait_do=lambda: plgpu.barrier_wait(do_loaded.at[slot]),
+                    visible_fn=visible_fn if masked else None)
+                dv = product(dv, p_t.astype(dtype), do_blk, interpret=spec.interpret,
+                             stage_ref=stage)
+                if f16:
+                    # Two scaled casts (module docstring): per key for dK, per query for dQ.
+                    inv_s = plgpu.load(st.at[3])
+                    ds_k = (ds_t * bcast_rows(inv_kf, shape)).astype(dtype)
+                    ds_t = (ds_t * bcast_cols(inv_s, shape)).astype(dtype)
+                else:
+                    ds_t = ds_k = ds_t.astype(dtype)
+                dk = product(dk, ds_k, q_blk, interpret=spec.interpret, stage_ref=stage)
+                plgpu.barrier_arrive(slot_free.at[slot])  # Q, dO, stats of this step are read
+                exchange(t, ds_t)
+                return dk, dv
+
+            def drain(h, i):
+                # A block only the other warpgroup sees: the exchange still needs a (zero) half.
+                t = _after(t0, it.step_of(h, i))
+                slot = lax.rem(t, jnp.int32(stages))
                 plgpu.barrier_wait(q_loaded.at[slot])
                 plgpu.barrier_wait(st_loaded.at[slot])
+                plgpu.barrier_wait(do_loaded.at[slot])
+                plgpu.barrier_arrive(slot_free.at[slot])
+                # No layout hint (forward.py says why): the dS^T store's layout is the steps'.
+                exchange(t, jnp.zeros((WG_ROWS, BLOCK_Q), dtype))
 
-            def visible_fn():
-                k_pos, q_pos = positions(shape, key0, i * BLOCK_Q)
-                return mask.visible(q_pos, k_pos, kv_len)
+            def downward(a, b, fn, carry):
+                """fn(j, carry) for j = b - 1 down to a."""
+                return lax.fori_loop(0, b - a, lambda n, cr: fn(b - 1 - n, cr), carry)
 
-            p_t, ds_t = transposed_weights(
-                spec, c, my_k, my_v, q_blk, do_blk, st, shape, wait_q=wait_q,
-                wait_do=lambda: plgpu.barrier_wait(do_loaded.at[slot]),
-                visible_fn=visible_fn if masked else None)
-            dv = product(dv, p_t.astype(dtype), do_blk, interpret=spec.interpret,
-                         stage_ref=stage)
-            if f16:
-                # Two scaled casts (module docstring): per key for dK, per query for dQ.
-                inv_s = plgpu.load(st.at[3])
-                ds_k = (ds_t * bcast_rows(inv_kf, shape)).astype(dtype)
-                ds_t = (ds_t * bcast_cols(inv_s, shape)).astype(dtype)
-            else:
-                ds_t = ds_k = ds_t.astype(dtype)
-            dk = product(dk, ds_k, q_blk, interpret=spec.interpret, stage_ref=stage)
-            plgpu.barrier_arrive(slot_free.at[slot])  # Q, dO, stats of this step are read
-            exchange(t, ds_t)
-            return dk, dv
+            def heads(fn):
+                """fn(h, i, carry) for the group's q heads in turn, at block i."""
+                if group == 1:
+                    return lambda i, cr: fn(0, i, cr)
+                return lambda i, cr: lax.fori_loop(0, group, lambda h, c: fn(h, i, c), cr)
 
-        def drain(h, i):
-            # A block only the other warpgroup sees: the exchange still needs a (zero) half.
-            t = step_of(h, i)
-            slot = lax.rem(t, jnp.int32(stages))
-            plgpu.barrier_wait(q_loaded.at[slot])
-            plgpu.barrier_wait(st_loaded.at[slot])
-            plgpu.barrier_wait(do_loaded.at[slot])
-            plgpu.barrier_arrive(slot_free.at[slot])
-            # No layout hint (forward.py says why): the dS^T store's layout is the steps'.
-            exchange(t, jnp.zeros((WG_ROWS, BLOCK_Q), dtype))
+            def drained(h, i, _):
+                drain(h, i)
 
-        def downward(a, b, fn, carry):
-            """fn(j, carry) for j = b - 1 down to a."""
-            return lax.fori_loop(0, b - a, lambda n, cr: fn(b - 1 - n, cr), carry)
+            def head_loop(h, carry):
+                """Head-major: every block of q head h, last first."""
+                downward(hi, cta_hi, lambda i, _: drain(h, i), None)
+                carry = downward(full_hi, hi, lambda i, cr: step(h, i, cr, True), carry)
+                carry = downward(full_lo, full_hi, lambda i, cr: step(h, i, cr, False), carry)
+                carry = downward(lo, full_lo, lambda i, cr: step(h, i, cr, True), carry)
+                downward(it.cta_lo, lo, lambda i, _: drain(h, i), None)
+                return carry
 
-        def heads(fn):
-            """fn(h, i, carry) for the group's q heads in turn, at block i."""
-            if group == 1:
-                return lambda i, cr: fn(0, i, cr)
-            return lambda i, cr: lax.fori_loop(0, group, lambda h, c: fn(h, i, c), cr)
+            carry = (zeros_acc(WG_ROWS, head_dim), zeros_acc(WG_ROWS, head_dim))
+            with jax.named_scope("steps"):
+                if group > 1 and not it.block_major:
+                    dk, dv = lax.fori_loop(0, group, head_loop, carry)
+                else:
+                    downward(hi, cta_hi, heads(drained), None)
+                    carry = downward(full_hi, hi,
+                                     heads(lambda h, i, cr: step(h, i, cr, True)), carry)
+                    carry = downward(full_lo, full_hi,
+                                     heads(lambda h, i, cr: step(h, i, cr, False)), carry)
+                    carry = downward(lo, full_lo,
+                                     heads(lambda h, i, cr: step(h, i, cr, True)), carry)
+                    downward(it.cta_lo, lo, heads(drained), None)
+                    dk, dv = carry
+            if not persistent:
+                writer_tail(it.total)
+            # Both warpgroups' last dQ products read both K tiles before K's buffer carries dK
+            # out.
+            with jax.named_scope("store"):
+                plgpu.barrier_arrive(both_done)
+                plgpu.barrier_wait(both_done)
+                rows = (it.batch, pl.ds(key0, WG_ROWS), it.kv_global)
+                if f16:
+                    dk = dk * bcast_rows(kf * spec.scale, dk.shape)
+                else:
+                    dk = dk * spec.scale
+                my_k[...] = dk.astype(dtype)
+                my_v[...] = dv.astype(dtype)
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(my_k, dk_ref.at[rows])
+                plgpu.copy_smem_to_gmem(my_v, dv_ref.at[rows])
+                if persistent:
+                    # Read out: the copy warpgroup may load the next item's K and V.
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                    pl.when(n + 1 < n_items)(lambda: plgpu.barrier_arrive(kv_free))
+                else:
+                    plgpu.wait_smem_to_gmem(0)
+            return _after(t0, it.total)
 
-        def drained(h, i, _):
-            drain(h, i)
+        def writer_tail(total):
+            # Await the writer's last releases (interpret mode checks every phase is awaited).
+            with jax.named_scope("writer_tail"):
+                lax.fori_loop(
+                    jnp.maximum(total - slots, 0), total,
+                    lambda t, _: plgpu.barrier_wait(dq_free.at[lax.rem(t, jnp.int32(slots))]),
+                    None)
 
-        def head_loop(h, carry):
-            """Head-major: every block of q head h, last first."""
-            downward(hi, cta_hi, lambda i, _: drain(h, i), None)
-            carry = downward(full_hi, hi, lambda i, cr: step(h, i, cr, True), carry)
-            carry = downward(full_lo, full_hi, lambda i, cr: step(h, i, cr, False), carry)
-            carry = downward(lo, full_lo, lambda i, cr: step(h, i, cr, True), carry)
-            downward(cta_lo, lo, lambda i, _: drain(h, i), None)
-            return carry
-
-        carry = (zeros_acc(WG_ROWS, head_dim), zeros_acc(WG_ROWS, head_dim))
-        with jax.named_scope("steps"):
-            if group > 1 and not block_major:
-                dk, dv = lax.fori_loop(0, group, head_loop, carry)
-            else:
-                downward(hi, cta_hi, heads(drained), None)
-                carry = downward(full_hi, hi, heads(lambda h, i, cr: step(h, i, cr, True)),
-                                 carry)
-                carry = downward(full_lo, full_hi,
-                                 heads(lambda h, i, cr: step(h, i, cr, False)), carry)
-                carry = downward(lo, full_lo, heads(lambda h, i, cr: step(h, i, cr, True)),
-                                 carry)
-                downward(cta_lo, lo, heads(drained), None)
-                dk, dv = carry
-        # Await the writer's last releases (interpret mode checks every phase is awaited).
-        with jax.named_scope("writer_tail"):
-            lax.fori_loop(
-                jnp.maximum(total - slots, 0), total,
-                lambda t, _: plgpu.barrier_wait(dq_free.at[lax.rem(t, jnp.int32(slots))]), None)
-        # Both warpgroups' last dQ products read both K tiles before K's buffer carries dK out.
-        with jax.named_scope("store"):
-            plgpu.barrier_arrive(both_done)
-            plgpu.barrier_wait(both_done)
-            rows = (batch, pl.ds(key0, WG_ROWS), kv_global)
-            if f16:
-                dk = dk * bcast_rows(kf * spec.scale, dk.shape)
-            else:
-                dk = dk * spec.scale
-            my_k[...] = dk.astype(dtype)
-            my_v[...] = dv.astype(dtype)
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(my_k, dk_ref.at[rows])
-            plgpu.copy_smem_to_gmem(my_v, dv_ref.at[rows])
+        steps = over_items(item_work)
+        if persistent:
+            writer_tail(steps)
             plgpu.wait_smem_to_gmem(0)
 
     for w in range(2):
@@ -356,23 +428,56 @@ def _fused_body(q_ref, k_ref, v_ref, do_ref, st_ref, dk_ref, dv_ref, dq_ref,
     @pl.when(wg == 2)
     def _copy():
         plgpu.set_max_registers(cfg.fused_side_registers(), action="decrease")
-        for rt in range(2):
-            rows = (batch, pl.ds(kv_start + rt * WG_ROWS, WG_ROWS), kv_global)
-            plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[rt], k_loaded.at[rt])
-            plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[rt], v_loaded.at[rt])
 
-        def issue(t, slot):
-            q_head, j = block_of(t)
-            if head0 is not None:
-                q_head = q_head + head0 * group
-            rows = (batch, pl.ds(j * BLOCK_Q, BLOCK_Q), q_head)
-            plgpu.copy_gmem_to_smem(q_ref.at[rows], q_smem.at[slot], q_loaded.at[slot])
-            plgpu.copy_gmem_to_smem(st_ref.at[batch, q_head, :, pl.ds(j * BLOCK_Q, BLOCK_Q)],
-                                    st_smem.at[slot], st_loaded.at[slot])
-            plgpu.copy_gmem_to_smem(do_ref.at[rows], do_smem.at[slot], do_loaded.at[slot])
+        def load_kv(it):
+            for rt in range(2):
+                rows = (it.batch, pl.ds(it.kv_start + rt * WG_ROWS, WG_ROWS), it.kv_global)
+                plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[rt], k_loaded.at[rt])
+                plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[rt], v_loaded.at[rt])
+
+        def issuer(it):
+            def issue(t, slot):
+                q_head, j = it.block_of(t)
+                if head0 is not None:
+                    q_head = q_head + head0 * group
+                rows = (it.batch, pl.ds(j * BLOCK_Q, BLOCK_Q), q_head)
+                plgpu.copy_gmem_to_smem(q_ref.at[rows], q_smem.at[slot], q_loaded.at[slot])
+                plgpu.copy_gmem_to_smem(
+                    st_ref.at[it.batch, q_head, :, pl.ds(j * BLOCK_Q, BLOCK_Q)],
+                    st_smem.at[slot], st_loaded.at[slot])
+                plgpu.copy_gmem_to_smem(do_ref.at[rows], do_smem.at[slot], do_loaded.at[slot])
+            return issue
+
+        if not persistent:
+            load_kv(only)
+            with jax.named_scope("stream"):
+                stream_through_slots(issuer(only), slot_free, stages, only.total)
+            return
+
+        def item_copies(n, t0):
+            """An item's stream: its first steps as soon as slots free (under the previous
+            item's last steps and dK / dV store), its K and V once their buffers are free."""
+            it = item(n)
+            issue = issuer(it)
+
+            def refill(t, _):
+                slot = lax.rem(t0 + t, jnp.int32(stages))
+                pl.when(t0 + t >= stages)(lambda: plgpu.barrier_wait(slot_free.at[slot]))
+                issue(t, slot)
+
+            ahead = jnp.minimum(it.total, stages)
+            lax.fori_loop(jnp.int32(0), ahead, refill, None)
+            pl.when(n > 0)(lambda: plgpu.barrier_wait(kv_free))
+            load_kv(it)
+            lax.fori_loop(ahead, it.total, refill, None)
+            return t0 + it.total
 
         with jax.named_scope("stream"):
-            stream_through_slots(issue, slot_free, stages, total)
+            steps = over_items(item_copies)
+            lax.fori_loop(
+                jnp.maximum(steps - stages, 0), steps,
+                lambda t, _: plgpu.barrier_wait(slot_free.at[lax.rem(t, jnp.int32(stages))]),
+                None)
 
     @pl.when(wg == 3)
     def _write():
@@ -382,41 +487,52 @@ def _fused_body(q_ref, k_ref, v_ref, do_ref, st_ref, dk_ref, dv_ref, dq_ref,
             sem = pl.get_global(plgpu.SemaphoreType.REGULAR((dq_ref.shape[0] * q_heads
                                                               * n_qblocks,)))
 
-        def write(t, _):
-            q_head, j = block_of(t)
-            dslot = lax.rem(t, jnp.int32(slots))
-            src = dq_smem.at[dslot]
-            rows = (batch, pl.ds(j * BLOCK_Q, BLOCK_Q), q_head)
-            first = mask.kv_blocks(j * BLOCK_Q, BLOCK_Q, CTA_KEYS, mask.seq_kv)[0]
-            rank = tile - first  # tiles that add to this q block before this one
-            plgpu.barrier_wait(dq_ready.at[dslot])
-            if spec.interpret:
-                acc_smem, acc_loaded = interp_smem[1], interp_smem[2]
+        def item_writes(n, t0):
+            it = item(n)
 
-                def add_previous():
-                    plgpu.copy_gmem_to_smem(dq_ref.at[rows], acc_smem, acc_loaded)
-                    plgpu.barrier_wait(acc_loaded)
-                    src[...] = src[...] + acc_smem[...]
-                    plgpu.commit_smem()
+            def write(t, _):
+                q_head, j = it.block_of(t)
+                dslot = lax.rem(_after(t0, t), jnp.int32(slots))
+                src = dq_smem.at[dslot]
+                rows = (it.batch, pl.ds(j * BLOCK_Q, BLOCK_Q), q_head)
+                first = mask.kv_blocks(j * BLOCK_Q, BLOCK_Q, CTA_KEYS, mask.seq_kv)[0]
+                rank = it.tile - first  # tiles that add to this q block before this one
+                plgpu.barrier_wait(dq_ready.at[dslot])
+                if spec.interpret:
+                    acc_smem, acc_loaded = interp_smem[1], interp_smem[2]
 
-                pl.when(rank > 0)(add_previous)
-                plgpu.copy_smem_to_gmem(src, dq_ref.at[rows])
-                plgpu.wait_smem_to_gmem(0)
-            else:
-                flag = sem.at[(batch * q_heads + q_head) * n_qblocks + j]
-                with jax.named_scope("chain_wait"):
-                    plgpu.semaphore_wait(flag, rank, decrement=False, memory_scope="gpu")
-                pl.when(rank == 0)(lambda: plgpu.copy_smem_to_gmem(src, dq_ref.at[rows]))
-                pl.when(rank > 0)(lambda: plgpu.copy_smem_to_gmem(
-                    src, dq_ref.at[rows], reduction_op="add"))
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                plgpu.barrier_arrive(dq_free.at[dslot])
-                plgpu.wait_smem_to_gmem(0)  # the sum has landed
-                plgpu.semaphore_signal(flag, 1, memory_scope="gpu")  # the next tile may add
-            if spec.interpret:
-                plgpu.barrier_arrive(dq_free.at[dslot])
+                    def add_previous():
+                        plgpu.copy_gmem_to_smem(dq_ref.at[rows], acc_smem, acc_loaded)
+                        plgpu.barrier_wait(acc_loaded)
+                        src[...] = src[...] + acc_smem[...]
+                        plgpu.commit_smem()
 
-        lax.fori_loop(jnp.int32(0), total, write, None)
+                    if persistent:
+                        # The interpreter runs CTAs one after another, so a tile's CTA may run
+                        # before the CTA of the tile below: every tile adds, onto zeros.
+                        add_previous()
+                    else:
+                        pl.when(rank > 0)(add_previous)
+                    plgpu.copy_smem_to_gmem(src, dq_ref.at[rows])
+                    plgpu.wait_smem_to_gmem(0)
+                else:
+                    flag = sem.at[(it.batch * q_heads + q_head) * n_qblocks + j]
+                    with jax.named_scope("chain_wait"):
+                        plgpu.semaphore_wait(flag, rank, decrement=False, memory_scope="gpu")
+                    pl.when(rank == 0)(lambda: plgpu.copy_smem_to_gmem(src, dq_ref.at[rows]))
+                    pl.when(rank > 0)(lambda: plgpu.copy_smem_to_gmem(
+                        src, dq_ref.at[rows], reduction_op="add"))
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                    plgpu.barrier_arrive(dq_free.at[dslot])
+                    plgpu.wait_smem_to_gmem(0)  # the sum has landed
+                    plgpu.semaphore_signal(flag, 1, memory_scope="gpu")  # the next tile may add
+                if spec.interpret:
+                    plgpu.barrier_arrive(dq_free.at[dslot])
+
+            lax.fori_loop(jnp.int32(0), it.total, write, None)
+            return _after(t0, it.total)
+
+        over_items(item_writes)
 
 
 def fused_backward(spec: AttentionSpec, q, k, v, do, rows, cfg):
@@ -482,6 +598,9 @@ def _fused(q, k, v, do, rows, *, spec: AttentionSpec, cfg):
         plgpu.Barrier(num_barriers=slots),                   # dQ tile sent
         plgpu.Barrier(num_arrivals=2),                       # K no longer read
     ]
+    persistent = cfg.fused_persistent
+    if persistent:
+        scratch.append(plgpu.Barrier(num_arrivals=2))        # dK, dV read out of K, V smem
     if spec.interpret:
         scratch += [plgpu.SMEM((2, WG_ROWS, BLOCK_Q), dtype),
                     plgpu.SMEM((BLOCK_Q, head_dim), jnp.float32),
@@ -518,40 +637,56 @@ def _fused(q, k, v, do, rows, *, spec: AttentionSpec, cfg):
         chunk = fused_head_chunk(cfg, batch, heads)
         body = functools.partial(_fused_body, spec=spec, cfg=cfg, group=group,
                                  head_dim=head_dim, q_heads=heads * group, n_qblocks=n_qblocks,
-                                 chunk=chunk, batch_size=batch)
+                                 n_tiles=n_tiles, chunk=chunk, batch_size=batch)
         dq_type = jax.ShapeDtypeStruct((batch, seq_q8, heads * group, head_dim), jnp.float32)
         n_extra = len(extra)
+        if persistent:
+            items = heads * n_tiles * batch
+            plan = persistent_plan(mask, n_qblocks, heads, group, batch, chunk,
+                                   min(items, cfg.fused_ctas or device_sms()),
+                                   cfg.fused_handout)
+            grid = dict(grid=(plan.shape[0],), grid_names=("cta",))
+        else:
+            plan = None
+            grid = dict(grid=fused_grid(heads, n_tiles, batch, chunk),
+                        grid_names=("head", "tile", "batch"))
 
         def kernel_body(q_ref, k_ref, v_ref, do_ref, st_ref, *refs):
             kf_ref = refs[0] if n_extra else None
             refs = refs[n_extra:]
+            plan_ref = refs[0] if persistent else None
+            refs = refs[1:] if persistent else refs
             if split:
                 head0_ref, dk_ref, dv_ref, _dq_state, dq_ref, *scratch_refs = refs
             else:
                 head0_ref = None
                 dk_ref, dv_ref, dq_ref, *scratch_refs = refs
             body(q_ref, k_ref, v_ref, do_ref, st_ref, dk_ref, dv_ref, dq_ref, *scratch_refs,
-                 head0_ref=head0_ref, kf_ref=kf_ref)
+                 head0_ref=head0_ref, kf_ref=kf_ref, plan_ref=plan_ref)
 
         if split:
             out_type = dq_type
         else:
             kv_shape = jax.ShapeDtypeStruct(k.shape, dtype)
             out_type = (kv_shape, kv_shape, dq_type)
-        return plgpu.kernel(
+        kernel = plgpu.kernel(
             kernel_body,
             out_type=out_type,
             scratch_types=scratch,
-            grid=fused_grid(heads, n_tiles, batch, chunk),
-            grid_names=("head", "tile", "batch"),
+            **grid,
             num_threads=4,
             thread_name="wg",
             compiler_params=plgpu.CompilerParams(
                 approx_math=True,
                 **profile_params(cfg.fused_profile_dir, 2 * n_qblocks * group + 8)),
-            interpret=interpret_params(spec.interpret, 4),
+            # The persistent interpreted kernel adds every dQ tile onto zeros (`_fused_body`).
+            interpret=interpret_params(spec.interpret, 4, zero_memory=persistent),
             kernel_name=FUSED_KERNEL_NAME,
         )
+        if plan is None:
+            return kernel
+        plan_array = jnp.asarray(plan)
+        return lambda *args: kernel(*args[:5 + n_extra], plan_array, *args[5 + n_extra:])
 
     launches = fused_launches(cfg, batch, mask.seq_q, q_heads, kv_heads, head_dim, n_tiles)
     if launches == 1:

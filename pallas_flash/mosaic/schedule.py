@@ -16,6 +16,7 @@ the one CUDA launches fastest. Three rules follow from L2 locality and load bala
 from __future__ import annotations
 
 import dataclasses
+import heapq
 
 import jax
 import jax.numpy as jnp
@@ -23,7 +24,8 @@ import numpy as np
 from jax import lax
 
 from pallas_flash.mosaic.config import (FUSED_BLOCK_Q, FUSED_CTA_KEYS, FUSED_MAX_LAUNCHES,
-                                        FUSED_MIN_WAVES, FUSED_SPLIT_BYTES, HOPPER_SMS)
+                                        FUSED_MIN_WAVES, FUSED_SPLIT_BYTES, HANDOUTS,
+                                        HOPPER_SMS)
 
 CLUSTER_AXIS = "pair"   # the CTAs of a cluster along the tile axis (forward, config.cluster)
 # Streamed bytes that one L2 section of heads may share (FlashAttention-3's tile scheduler:
@@ -243,3 +245,66 @@ def fused_first_tiles(mask, n_qblocks: int):
     starts = np.arange(n_qblocks, dtype=np.int32) * FUSED_BLOCK_Q
     lo, _, _, hi = mask.kv_blocks(starts, FUSED_BLOCK_Q, FUSED_CTA_KEYS, mask.seq_kv, xp=np)
     return np.broadcast_to(lo, starts.shape), np.broadcast_to(hi, starts.shape)
+
+
+# ---- the persistent fused backward ----------------------------------------------------------
+
+def device_sms() -> int:
+    """The SMs of the default device (HOPPER_SMS where it reports none: a CPU, interpreting)."""
+    return int(getattr(jax.devices()[0], "core_count", 0) or HOPPER_SMS)
+
+
+# What an item costs beyond its q-block steps, in steps: the K / V load and the dK / dV store.
+ITEM_OVERHEAD_STEPS = 2
+
+
+def fused_item(index, n_tiles: int, chunk: int, batch_size: int):
+    """(tile, kv head, batch) of item `index`, counted in `fused_grid`'s launch order."""
+    inner_size = jnp.int32(chunk * batch_size)
+    inner = lax.rem(index, inner_size)
+    outer = lax.div(index, inner_size)
+    tile = lax.rem(outer, jnp.int32(n_tiles))
+    head = lax.div(outer, jnp.int32(n_tiles)) * chunk + lax.div(inner, jnp.int32(batch_size))
+    return tile, head, lax.rem(inner, jnp.int32(batch_size))
+
+
+def persistent_plan(mask, n_qblocks: int, kv_heads: int, group: int, batch: int, chunk: int,
+                    ctas: int, handout: str = "longest_first") -> np.ndarray:
+    """The persistent fused grid's work: int32 [ctas, 1 + most items], per CTA its item count
+    and then its items (`fused_item` indices), in the order it runs them.
+
+    Items are handed out in `fused_grid`'s order, each to the CTA with the least work so far
+    (in q-block steps, plus ITEM_OVERHEAD_STEPS), ties to the lowest index. Under a causal
+    bound a head's low key tiles are its longest, so that order is also longest first. The
+    handout "reversed" mirrors the CTA indices (CTA ctas - 1 takes the first item): a test of
+    the deadlock argument, which must not depend on which CTA launches first.
+
+    Deadlock-freedom (docs/design.md): a CTA runs its items in handout order, and an item waits
+    only on items before it in that order (lower key tiles of its chain). The earliest unfinished
+    item is then the current item of its CTA, and everything it waits on is finished: it can
+    always proceed, provided all `ctas` CTAs are resident at once (at most one per SM).
+    """
+    if handout not in HANDOUTS:
+        raise ValueError(f"handout must be one of {HANDOUTS}, got {handout!r}")
+    first, last = fused_first_tiles(mask, n_qblocks)
+    n_tiles = -(-mask.seq_kv // FUSED_CTA_KEYS)
+    tiles = np.arange(n_tiles)
+    # Steps of key tile t: the q blocks j with first(j) <= t < last(j), once per q head.
+    seen = (first[None, :] <= tiles[:, None]) & (tiles[:, None] < last[None, :])
+    cost = group * seen.sum(axis=1) + ITEM_OVERHEAD_STEPS
+    n_items = kv_heads * n_tiles * batch
+    tile_of = (np.arange(n_items) // (chunk * batch)) % n_tiles
+    loads = [(0, c) for c in range(ctas)]     # a heap of (work so far, CTA)
+    owned = [[] for _ in range(ctas)]
+    for item, t in enumerate(tile_of.tolist()):
+        load, c = heapq.heappop(loads)
+        owned[c].append(item)
+        heapq.heappush(loads, (load + int(cost[t]), c))
+    if handout == "reversed":
+        owned.reverse()
+    width = 1 + max(len(o) for o in owned)
+    plan = np.full((ctas, width), -1, np.int32)
+    for c, items in enumerate(owned):
+        plan[c, 0] = len(items)
+        plan[c, 1:1 + len(items)] = items
+    return plan
