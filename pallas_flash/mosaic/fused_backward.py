@@ -6,7 +6,10 @@ Here the dK/dV CTA also forms dQ_partial = dS K for each q block it visits, and 
 are summed in global memory in a fixed order (FlashAttention-3's deterministic mode): 5 units,
 bitwise-reproducible gradients.
 
-Grid: schedule.fused_grid, (head chunk, key tile, head in chunk x batch). A CTA owns 128 keys:
+Grid: schedule.fused_grid, (head chunk, key tile, head in chunk x batch); or, persistent
+(config.fused_persistent), one CTA per SM running the items schedule.persistent_plan hands it,
+each a (key tile, kv head, batch), with the stream's step counters carried from one item to the
+next (docs/design.md says why that cannot deadlock). A CTA owns 128 keys at a time:
   * two compute warpgroups, 64 keys each, in backward.py's transposed orientation
     (S^T = K Q^T, P^T, dP^T = V dO^T, dS^T; dV += P^T dO, dK += dS^T Q). Both write their dS^T
     (64 keys x 64 queries) to shared memory and then share dQ_partial = dS K over all 128 keys
@@ -19,8 +22,8 @@ Grid: schedule.fused_grid, (head chunk, key tile, head in chunk x batch). A CTA 
 The order: the key tiles that see q block j are a range [first(j), last(j)) (MaskSpec.kv_blocks
 with 128-key blocks); tile t waits on a semaphore per (batch, q head, q block) until it counts
 t - first(j) adds. A tile waits only on lower tiles, which launch first, so the spin cannot
-deadlock. Tiles walk their q blocks last first: under a causal mask every tile then starts on
-blocks all tiles see, one step behind the tile below.
+deadlock (the persistent grid: docs/design.md). Tiles walk their q blocks last first: under a
+causal mask every tile then starts on blocks all tiles see, one step behind the tile below.
 
 float16: dS (up to |dO| |V| + |D|) can pass float16's range, so it is cast twice, each time
 divided by a factor fixed before the kernel runs from a bound on |dS|, and multiplied back on
