@@ -168,6 +168,13 @@ VARIANTS = [
     _variant("mosaic-key176", dict(block_kv=176), groups=("features",)),
     _variant("mosaic-unfused-exp", dict(fused_exponent=False), groups=("features",),
              interpret=("features/softcap-full-mqa", "features/window-causal-softcap")),
+    # The persistent forward (schedule.persistent_forward_plan): a CTA per SM, and three CTAs
+    # running every item of a case in turn.
+    _variant("mosaic-persistent-fwd", dict(persistent=True, cluster=1),
+             groups=("features", "launch-order"),
+             interpret=("features/partial-tiles", "features/segments-lengths")),
+    _variant("mosaic-persistent-fwd-3ctas", dict(persistent=True, cluster=1, ctas=3),
+             groups=("features",), interpret=("features/window-causal-softcap",)),
 ]
 
 

@@ -52,6 +52,17 @@ def test_lowers_for_sm90(d, dtype, causal, overlap):
     _lowers(spec, cfg, q, k, v)
 
 
+@pytest.mark.parametrize("d,causal,fields", [
+    (128, True, {}), (64, False, dict(overlap=True, block_kv=128, ctas=3)),
+    (256, True, dict(pingpong=False))])
+def test_persistent_lowers_for_sm90(d, causal, fields):
+    """The persistent grid (items looped per CTA, the plan read from global memory)."""
+    q, k, v = _inputs(2, 1024, 1024, 4, 2, d, jnp.bfloat16)
+    spec = make_spec(1024, 1024, d, jnp.bfloat16, causal=causal, interpret=False)
+    cfg = dataclasses.replace(default_forward_config(d), persistent=True, cluster=1, **fields)
+    _lowers(spec, cfg, q, k, v)
+
+
 @pytest.mark.parametrize("sq,skv,opts", [
     (200, 136, dict(causal=True, window=(64, None), softcap=30.0)),
     (100, 300, dict(causal=True, causal_alignment="bottom_right", has_segments=True)),

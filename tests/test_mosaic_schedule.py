@@ -365,3 +365,28 @@ def test_persistent_gives_the_grids_bits():
         for name, g, h in zip(("dq", "dk", "dv"), grads(fused_persistent=True, **fields), grid):
             np.testing.assert_array_equal(np.asarray(g), np.asarray(h),
                                           err_msg=f"{name} {fields}")
+
+
+@pytest.mark.parametrize("sq,causal,ctas", [(1000, True, 132), (1000, False, 5), (4096, True, 7)])
+def test_persistent_forward_plan(sq, causal, ctas):
+    """Every (tile, head, batch) once, the longest in the first wave, and no CTA's work past
+    the mean by more than one item's."""
+    mask = make_mask_spec(sq, sq, causal=causal)
+    cta_rows, block_kv, heads, batch = 128, 128, 3, 2
+    n_tiles = -(-sq // cta_rows)
+    plan = schedule.persistent_forward_plan(mask, n_tiles, cta_rows, block_kv, heads, batch,
+                                            ctas)
+    items = _items_of(plan)
+    assert sorted(i for row in items for i in row) == list(range(n_tiles * heads * batch))
+    tile_of = lambda item: item % n_tiles  # noqa: E731
+    starts = np.arange(n_tiles) * cta_rows
+    lo, _, _, hi = mask.kv_blocks(starts, cta_rows, block_kv, sq, xp=np)
+    cost = np.broadcast_to(hi - lo, starts.shape) + schedule.ITEM_OVERHEAD_STEPS
+    loads = [sum(int(cost[tile_of(i)]) for i in row) for row in items]
+    assert max(loads) <= sum(loads) / ctas + cost.max()
+    # The first wave takes the longest items.
+    first = sorted((int(cost[tile_of(row[0])]) for row in items if row), reverse=True)
+    every = sorted((int(cost[tile_of(i)]) for row in items for i in row), reverse=True)
+    assert first == every[:len(first)]
+    with pytest.raises(ValueError, match="persistent runs without clusters"):
+        MosaicForwardConfig(persistent=True, cluster=2)

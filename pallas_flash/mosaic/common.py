@@ -179,6 +179,12 @@ def stream_through_slots(issue, slot_free, stages: int, total):
     lax.fori_loop(jnp.maximum(total - stages, 0), total, last_release, None)
 
 
+def step_after(t0, t):
+    """Stream step t of a persistent CTA's item whose steps start at t0; t0 a Python 0 for the
+    one item of a launch-order grid's CTA, which then traces no add."""
+    return t if isinstance(t0, int) and t0 == 0 else t0 + t
+
+
 def profile_params(directory: str, ranges: int) -> dict:
     """CompilerParams arguments recording the kernel's named scopes into a trace in
     `directory` ({} when empty; benchmarks/kernel_trace.py reads it). `ranges`: the most scopes

@@ -105,6 +105,12 @@ class MosaicForwardConfig:
     # Heads interleaved tile by tile in the launch order (a divisor of the q heads; schedule.py);
     # None: one head at a time, or FlashAttention-3's L2 sections under a causal bound.
     head_chunk: int | None = None
+    # A persistent grid: one CTA per SM runs (tile, head, batch) items, longest first to the
+    # least loaded CTA (schedule.persistent_forward_plan); the next item's K / V stream in under
+    # this one's last steps and epilogue. For grids of many short CTAs (short sequences).
+    persistent: bool = False
+    # CTAs of the persistent grid; None: the device's SMs.
+    ctas: int | None = None
 
     def __post_init__(self):
         if self.block_q != 64:
@@ -126,6 +132,10 @@ class MosaicForwardConfig:
                 f"CTA's multicast slice, block_kv / cluster rows, must be whole 8-row tiles), "
                 f"got {self.cluster}")
         _check_chunk("MosaicForwardConfig.head_chunk", self.head_chunk)
+        _check_chunk("MosaicForwardConfig.ctas", self.ctas)
+        if self.persistent and self.cluster > 1:
+            raise ValueError("MosaicForwardConfig.persistent runs without clusters (a cluster's "
+                             f"CTAs share blocks of adjacent tiles), got cluster={self.cluster}")
         if self.cluster > 1 and self.head_chunk not in (None, 1):
             raise ValueError("MosaicForwardConfig.head_chunk must be None or 1 with clusters "
                              f"(a cluster's CTAs are adjacent tiles), got {self.head_chunk}")

@@ -48,10 +48,11 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_flash.masking import PAD_KEY_ID, PAD_QUERY_ID, segment_block_ranges
 from pallas_flash.mosaic.common import (clamp_range, interpret_params, logit_units, narrowed,
                                         pad_seq, profile_params, query_tile_position,
-                                        unsupported_operands)
+                                        step_after, streamed_range, unsupported_operands)
 from pallas_flash.mosaic.config import (SMEM_LIMIT, MosaicForwardConfig, default_forward_config,
                                        register_budget)
-from pallas_flash.mosaic.schedule import CLUSTER_AXIS, TileGrid, forward_order
+from pallas_flash.mosaic.schedule import (CLUSTER_AXIS, TileGrid, device_sms, forward_item,
+                                         forward_order, persistent_forward_plan)
 from pallas_flash.mosaic.tiles import product
 from pallas_flash.mosaic.schedule import forward_order as _launch_order  # noqa: F401
 from pallas_flash.spec import AttentionSpec
@@ -94,9 +95,10 @@ def _kernel(*refs, spec: AttentionSpec, cfg: MosaicForwardConfig, group: int, n_
         (q_ref, k_ref, v_ref), rest = refs[:3], refs[3:]
         q_ids_ref = kv_ids_ref = cta_seg_ref = wg_seg_ref = None
     sink_ref, rest = (rest[0], rest[1:]) if has_sinks else (None, rest)
+    plan_ref, rest = (rest[0], rest[1:]) if cfg.persistent else (None, rest)
     _kernel_body(q_ref, k_ref, v_ref, q_ids_ref, kv_ids_ref, cta_seg_ref, wg_seg_ref, sink_ref,
                  *rest, spec=spec, cfg=cfg, group=group, n_tiles=n_tiles, head_dim=head_dim,
-                 head_dim_v=head_dim_v, order=order)
+                 head_dim_v=head_dim_v, order=order, plan_ref=plan_ref)
 
 
 def _kernel_body(q_ref, k_ref, v_ref, q_ids_ref, kv_ids_ref, cta_seg_ref, wg_seg_ref, sink_ref,
@@ -104,7 +106,7 @@ def _kernel_body(q_ref, k_ref, v_ref, q_ids_ref, kv_ids_ref, cta_seg_ref, wg_seg
                  q_smem, k_smem, v_smem, m_smem, r_smem,
             q_loaded, k_loaded, v_loaded, k_free, v_free, rendezvous_bar, *extra,
             spec: AttentionSpec, cfg: MosaicForwardConfig, group: int, n_tiles: int,
-            head_dim: int, head_dim_v: int, order: TileGrid):
+            head_dim: int, head_dim_v: int, order: TileGrid, plan_ref=None):
     mask = spec.mask
     # O stages in Q's buffer, or with V's own head_dim (MLA) in one of its own; then P's
     # staging, interpret mode only.
@@ -116,12 +118,33 @@ def _kernel_body(q_ref, k_ref, v_ref, q_ids_ref, kv_ids_ref, cta_seg_ref, wg_seg
     # Keys past seq_kv exist only in a partial last block, which then needs the mask.
     kv_len = mask.seq_kv if mask.seq_kv % block_kv else None
 
-    tile, head, batch, wg, cta_start, cta_lo, cta_hi = query_tile_position(
-        mask, n_tiles, cta_rows, block_kv, cta_seg_ref, cfg.cluster, order)
-    n_steps = cta_hi - cta_lo
+    if plan_ref is None:
+        tile, head, batch, wg, cta_start, cta_lo, cta_hi = query_tile_position(
+            mask, n_tiles, cta_rows, block_kv, cta_seg_ref, cfg.cluster, order)
+        only = (tile, head, batch, cta_start, cta_lo, cta_hi, cta_hi - cta_lo)
 
-    def slot_of(j):
-        return lax.rem(j - cta_lo, jnp.int32(stages))
+        def item(n):
+            return only
+
+        def over_items(fn):
+            return fn(0, 0)
+    else:
+        # This CTA's items, in the order it runs them (schedule.persistent_forward_plan).
+        wg = lax.axis_index("wg")
+        cta = lax.axis_index("cta")
+        n_items = plan_ref[cta, 0]
+
+        def item(n):
+            tile, head, batch = forward_item(plan_ref[cta, n + 1], n_tiles, o_ref.shape[2])
+            start = tile * cta_rows
+            lo, hi = streamed_range(mask.kv_blocks(start, cta_rows, block_kv, mask.seq_kv),
+                                    cta_seg_ref, batch, tile)
+            return tile, head, batch, start, lo, hi, hi - lo
+
+        def over_items(fn):
+            """fn(n, t0) for this CTA's items n, t0 the K / V steps of the items before n; fn
+            returns t0 plus its item's steps."""
+            return lax.fori_loop(jnp.int32(0), n_items, fn, jnp.int32(0))
 
     def rendezvous():
         if cfg.pingpong:
@@ -131,243 +154,264 @@ def _kernel_body(q_ref, k_ref, v_ref, q_ids_ref, kv_ids_ref, cta_seg_ref, wg_seg
     @pl.when(wg < cfg.compute_wgs)
     def _compute():
         plgpu.set_max_registers(cfg.compute_registers, action="increase")
-        q_start = cta_start + wg * block_q
-        my_q = q_smem.at[wg]
-        plgpu.copy_gmem_to_smem(
-            q_ref.at[batch, pl.ds(q_start, block_q), head], my_q, q_loaded.at[wg])
 
-        bounds = mask.kv_blocks(q_start, block_q, block_kv, mask.seq_kv)
-        q_ids = None
-        if wg_seg_ref is not None:
-            bounds = narrowed(bounds, wg_seg_ref, batch, tile * cfg.compute_wgs + wg)
-            q_ids = plgpu.load(q_ids_ref.at[batch, pl.ds(q_start, block_q)], optimized=False)
-        # A warpgroup wholly past seq_q computes nothing.
-        bounds = tuple(jnp.where(q_start < mask.seq_q, b, cta_lo) for b in bounds)
-        lo, full_lo, full_hi, hi = clamp_range(bounds, cta_lo, cta_hi)
+        def compute_item(n, t0):
+            tile, head, batch, cta_start, cta_lo, cta_hi, n_steps = item(n)
 
-        def visible_logits(j, u, masked: bool):
-            """S of key block j in logit units, -inf where the mask or the ids hide a key."""
-            u, _ = logit_units(spec, u)
-            if not masked:
-                return u
-            shape = (block_q, block_kv)
-            rows = lax.broadcasted_iota(jnp.int32, shape, 0)
-            cols = lax.broadcasted_iota(jnp.int32, shape, 1)
-            visible = mask.visible(rows + q_start, cols + j * block_kv, kv_len)
-            if q_ids is not None:
-                kv_ids = plgpu.load(kv_ids_ref.at[batch, pl.ds(j * block_kv, block_kv)],
-                                    optimized=False)
-                same = (_bcast_rows(q_ids, shape)
-                        == lax.broadcast_in_dim(kv_ids, shape, [1]))
-                visible = same if visible is None else visible & same
-            if visible is None:  # nothing to mask (the masked ranges are empty)
-                return u
-            return jnp.where(visible, u, -jnp.inf)
+            def slot_of(j):
+                return lax.rem(step_after(t0, j - cta_lo), jnp.int32(stages))
 
-        def online_softmax(u, m, l):
-            """(m', alpha, P in float32, l'): one step of the online softmax."""
-            m_new = jnp.maximum(m, jnp.max(u, axis=1))
-            m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-            alpha = jnp.exp2((m - m_safe) * c)
-            if cfg.fused_exponent:
-                p = jnp.exp2(u * c - _bcast_rows(m_safe * c, u.shape))
-            else:
-                p = jnp.exp2((u - _bcast_rows(m_safe, u.shape)) * c)
-            l = l * alpha + jnp.sum(p, axis=1)
-            return m_new, alpha, p, l
+            q_start = cta_start + wg * block_q
+            my_q = q_smem.at[wg]
+            plgpu.copy_gmem_to_smem(
+                q_ref.at[batch, pl.ds(q_start, block_q), head], my_q, q_loaded.at[wg])
 
-        def plus_pv_interpret(acc, p_in, slot):
-            return product(acc, p_in, v_smem.at[slot], interpret=True, stage_ref=p_smem[0].at[wg])
+            bounds = mask.kv_blocks(q_start, block_q, block_kv, mask.seq_kv)
+            q_ids = None
+            if wg_seg_ref is not None:
+                bounds = narrowed(bounds, wg_seg_ref, batch, tile * cfg.compute_wgs + wg)
+                q_ids = plgpu.load(q_ids_ref.at[batch, pl.ds(q_start, block_q)], optimized=False)
+            # A warpgroup wholly past seq_q computes nothing.
+            bounds = tuple(jnp.where(q_start < mask.seq_q, b, cta_lo) for b in bounds)
+            lo, full_lo, full_hi, hi = clamp_range(bounds, cta_lo, cta_hi)
 
-        def step(j, carry, masked: bool):
-            acc, m, l = carry
-            slot = slot_of(j)
-            with jax.named_scope("k_wait"):
-                plgpu.barrier_wait(k_loaded.at[slot])
+            def visible_logits(j, u, masked: bool):
+                """S of key block j in logit units, -inf where the mask or the ids hide a key."""
+                u, _ = logit_units(spec, u)
+                if not masked:
+                    return u
+                shape = (block_q, block_kv)
+                rows = lax.broadcasted_iota(jnp.int32, shape, 0)
+                cols = lax.broadcasted_iota(jnp.int32, shape, 1)
+                visible = mask.visible(rows + q_start, cols + j * block_kv, kv_len)
+                if q_ids is not None:
+                    kv_ids = plgpu.load(kv_ids_ref.at[batch, pl.ds(j * block_kv, block_kv)],
+                                        optimized=False)
+                    same = (_bcast_rows(q_ids, shape)
+                            == lax.broadcast_in_dim(kv_ids, shape, [1]))
+                    visible = same if visible is None else visible & same
+                if visible is None:  # nothing to mask (the masked ranges are empty)
+                    return u
+                return jnp.where(visible, u, -jnp.inf)
 
-            def logits(s_ref):
-                plgpu.wgmma(s_ref, my_q, k_smem.at[slot].T)
-                rendezvous()
-                return s_ref[...]
+            def online_softmax(u, m, l):
+                """(m', alpha, P in float32, l'): one step of the online softmax."""
+                m_new = jnp.maximum(m, jnp.max(u, axis=1))
+                m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+                alpha = jnp.exp2((m - m_safe) * c)
+                if cfg.fused_exponent:
+                    p = jnp.exp2(u * c - _bcast_rows(m_safe * c, u.shape))
+                else:
+                    p = jnp.exp2((u - _bcast_rows(m_safe, u.shape)) * c)
+                l = l * alpha + jnp.sum(p, axis=1)
+                return m_new, alpha, p, l
 
-            u = pl.run_scoped(logits, plgpu.ACC((block_q, block_kv), jnp.float32))
-            plgpu.barrier_arrive(k_free.at[slot])
-            m_new, alpha, p, l = online_softmax(visible_logits(j, u, masked), m, l)
-            p_in = p.astype(dtype)
-            acc = acc * _bcast_rows(alpha, acc.shape)
-            with jax.named_scope("v_wait"):
-                plgpu.barrier_wait(v_loaded.at[slot])
-            rendezvous()
+            def plus_pv_interpret(acc, p_in, slot):
+                return product(acc, p_in, v_smem.at[slot], interpret=True,
+                               stage_ref=p_smem[0].at[wg])
 
-            def weighted_values(acc_ref):
-                plgpu.wgmma(acc_ref, p_in, v_smem.at[slot])
+            def step(j, carry, masked: bool):
+                acc, m, l = carry
+                slot = slot_of(j)
+                with jax.named_scope("k_wait"):
+                    plgpu.barrier_wait(k_loaded.at[slot])
 
-            if spec.interpret:
-                acc = plus_pv_interpret(acc, p_in, slot)
-            else:
-                acc = pl.run_state(weighted_values)(plgpu.ACC.init(acc))
-            plgpu.barrier_arrive(v_free.at[slot])
-            return acc, m_new, l
-
-        # cfg.overlap: step j issues S_j = Q K_j^T and acc += P_{j-1} V_{j-1}, waits for S_j
-        # alone and runs its softmax while P V is in flight. The first step multiplies a zero P
-        # by its own V block (prev == j); `finish_lagged` issues the last P V. V_{j-1} is
-        # awaited just before its product (`waited`: already awaited by the first step); waiting
-        # for V_j in step j would deadlock ping-pong at 2 stages.
-        def step_lagged(j, carry, masked: bool):
-            acc, m, l, p_prev, prev, waited = carry
-            slot, prev_slot = slot_of(j), slot_of(prev)
-            with jax.named_scope("k_wait"):
-                plgpu.barrier_wait(k_loaded.at[slot])
-            with jax.named_scope("v_wait"):
-                pl.when(jnp.logical_not(waited))(
-                    lambda: plgpu.barrier_wait(v_loaded.at[prev_slot]))
-
-            if spec.interpret:
                 def logits(s_ref):
                     plgpu.wgmma(s_ref, my_q, k_smem.at[slot].T)
+                    rendezvous()
                     return s_ref[...]
 
                 u = pl.run_scoped(logits, plgpu.ACC((block_q, block_kv), jnp.float32))
-                rendezvous()
-                acc = plus_pv_interpret(acc, p_prev, prev_slot)
                 plgpu.barrier_arrive(k_free.at[slot])
                 m_new, alpha, p, l = online_softmax(visible_logits(j, u, masked), m, l)
+                p_in = p.astype(dtype)
+                acc = acc * _bcast_rows(alpha, acc.shape)
+                with jax.named_scope("v_wait"):
+                    plgpu.barrier_wait(v_loaded.at[slot])
                 rendezvous()
-            else:
-                def both(refs):
-                    acc_ref, out_ref = refs
 
+                def weighted_values(acc_ref):
+                    plgpu.wgmma(acc_ref, p_in, v_smem.at[slot])
+
+                if spec.interpret:
+                    acc = plus_pv_interpret(acc, p_in, slot)
+                else:
+                    acc = pl.run_state(weighted_values)(plgpu.ACC.init(acc))
+                plgpu.barrier_arrive(v_free.at[slot])
+                return acc, m_new, l
+
+            # cfg.overlap: step j issues S_j = Q K_j^T and acc += P_{j-1} V_{j-1}, waits for S_j
+            # alone and runs its softmax while P V is in flight. The first step multiplies a zero P
+            # by its own V block (prev == j); `finish_lagged` issues the last P V. V_{j-1} is
+            # awaited just before its product (`waited`: already awaited by the first step); waiting
+            # for V_j in step j would deadlock ping-pong at 2 stages.
+            def step_lagged(j, carry, masked: bool):
+                acc, m, l, p_prev, prev, waited = carry
+                slot, prev_slot = slot_of(j), slot_of(prev)
+                with jax.named_scope("k_wait"):
+                    plgpu.barrier_wait(k_loaded.at[slot])
+                with jax.named_scope("v_wait"):
+                    pl.when(jnp.logical_not(waited))(
+                        lambda: plgpu.barrier_wait(v_loaded.at[prev_slot]))
+
+                if spec.interpret:
                     def logits(s_ref):
                         plgpu.wgmma(s_ref, my_q, k_smem.at[slot].T)
-                        plgpu.wgmma(acc_ref, p_prev, v_smem.at[prev_slot])
-                        rendezvous()
-                        return plgpu.wgmma_accumulator_load(s_ref, wait_n=1)
+                        return s_ref[...]
 
                     u = pl.run_scoped(logits, plgpu.ACC((block_q, block_kv), jnp.float32))
-                    plgpu.barrier_arrive(k_free.at[slot])
-                    # P is cast only after P V has landed: casting into the registers the
-                    # product in flight reads makes ptxas serialize every wgmma (C7513).
-                    new = online_softmax(visible_logits(j, u, masked), m, l)
-                    # Keep the softmax before the wait that ends run_state (else LLVM sinks it).
-                    new = lax.optimization_barrier(new)
                     rendezvous()
-                    for ref, x in zip(out_ref, new):
-                        ref[...] = x
+                    acc = plus_pv_interpret(acc, p_prev, prev_slot)
+                    plgpu.barrier_arrive(k_free.at[slot])
+                    m_new, alpha, p, l = online_softmax(visible_logits(j, u, masked), m, l)
+                    rendezvous()
+                else:
+                    def both(refs):
+                        acc_ref, out_ref = refs
 
-                # The second element carries the softmax's results out (shapes).
-                p0 = jnp.zeros((block_q, block_kv), jnp.float32)
-                init = (plgpu.ACC.init(acc), (m, m, p0, l))
-                acc, (m_new, alpha, p, l) = pl.run_state(both)(init)
-            p_in = p.astype(dtype)
-            pl.when(prev != j)(lambda: plgpu.barrier_arrive(v_free.at[prev_slot]))
-            acc = acc * _bcast_rows(alpha, acc.shape)
-            return acc, m_new, l, p_in, j, prev == j
+                        def logits(s_ref):
+                            plgpu.wgmma(s_ref, my_q, k_smem.at[slot].T)
+                            plgpu.wgmma(acc_ref, p_prev, v_smem.at[prev_slot])
+                            rendezvous()
+                            return plgpu.wgmma_accumulator_load(s_ref, wait_n=1)
 
-        def finish_lagged(carry):
-            """The last block's P V; (acc, m, l)."""
-            acc, m, l, p_prev, prev, waited = carry
-            prev_slot = slot_of(prev)
-            any_block = hi > lo
-            pl.when(any_block & jnp.logical_not(waited))(
-                lambda: plgpu.barrier_wait(v_loaded.at[prev_slot]))
-            if spec.interpret:
-                acc = plus_pv_interpret(acc, p_prev, prev_slot)
-            else:
-                def last(acc_ref):
-                    plgpu.wgmma(acc_ref, p_prev, v_smem.at[prev_slot])
+                        u = pl.run_scoped(logits, plgpu.ACC((block_q, block_kv), jnp.float32))
+                        plgpu.barrier_arrive(k_free.at[slot])
+                        # P is cast only after P V has landed: casting into the registers the
+                        # product in flight reads makes ptxas serialize every wgmma (C7513).
+                        new = online_softmax(visible_logits(j, u, masked), m, l)
+                        # Keep the softmax before the wait that ends run_state (else LLVM sinks it).
+                        new = lax.optimization_barrier(new)
+                        rendezvous()
+                        for ref, x in zip(out_ref, new):
+                            ref[...] = x
 
-                acc = pl.run_state(last)(plgpu.ACC.init(acc))
-            pl.when(any_block)(lambda: plgpu.barrier_arrive(v_free.at[prev_slot]))
-            return acc, m, l
+                    # The second element carries the softmax's results out (shapes).
+                    p0 = jnp.zeros((block_q, block_kv), jnp.float32)
+                    init = (plgpu.ACC.init(acc), (m, m, p0, l))
+                    acc, (m_new, alpha, p, l) = pl.run_state(both)(init)
+                p_in = p.astype(dtype)
+                pl.when(prev != j)(lambda: plgpu.barrier_arrive(v_free.at[prev_slot]))
+                acc = acc * _bcast_rows(alpha, acc.shape)
+                return acc, m_new, l, p_in, j, prev == j
 
-        def drain(j, _):
-            slot = slot_of(j)
-            plgpu.barrier_wait(k_loaded.at[slot])
-            plgpu.barrier_arrive(k_free.at[slot])
-            rendezvous()
-            plgpu.barrier_wait(v_loaded.at[slot])
-            plgpu.barrier_arrive(v_free.at[slot])
-            rendezvous()
+            def finish_lagged(carry):
+                """The last block's P V; (acc, m, l)."""
+                acc, m, l, p_prev, prev, waited = carry
+                prev_slot = slot_of(prev)
+                any_block = hi > lo
+                pl.when(any_block & jnp.logical_not(waited))(
+                    lambda: plgpu.barrier_wait(v_loaded.at[prev_slot]))
+                if spec.interpret:
+                    acc = plus_pv_interpret(acc, p_prev, prev_slot)
+                else:
+                    def last(acc_ref):
+                        plgpu.wgmma(acc_ref, p_prev, v_smem.at[prev_slot])
 
-        # No layout hints here, on the iotas or on the id loads: the wgmma operands and
-        # accumulators fix every register layout, and a hint (layout_cast, layout=) leaves its
-        # operand's layout to a step of Mosaic's solver search over the whole kernel's
-        # constraints, which is most of the lowering time.
-        acc = jnp.zeros((block_q, head_dim_v), jnp.float32)
-        m = jnp.full((block_q,), -jnp.inf, jnp.float32)
-        l = jnp.zeros((block_q,), jnp.float32)
-        carry = (acc, m, l)
-        body = step
-        if cfg.overlap:
-            p0 = jnp.zeros((block_q, block_kv), dtype)
-            carry = (acc, m, l, p0, lo, jnp.bool_(False))
-            body = step_lagged
+                    acc = pl.run_state(last)(plgpu.ACC.init(acc))
+                pl.when(any_block)(lambda: plgpu.barrier_arrive(v_free.at[prev_slot]))
+                return acc, m, l
 
-        with jax.named_scope("q_wait"):
-            plgpu.barrier_wait(q_loaded.at[wg])
-        unmasked = functools.partial(body, masked=False)
-        masked = functools.partial(body, masked=True)
-        # Drain, masked leading edge, unmasked middle, masked trailing edge, drain.
-        with jax.named_scope("steps"):
-            if cfg.pingpong:
-                pl.when(wg == 1)(rendezvous)
-            lax.fori_loop(cta_lo, lo, drain, None)
-            carry = lax.fori_loop(lo, full_lo, masked, carry)
-            carry = lax.fori_loop(full_lo, full_hi, unmasked, carry)
-            carry = lax.fori_loop(full_hi, hi, masked, carry)
+            def drain(j, _):
+                slot = slot_of(j)
+                plgpu.barrier_wait(k_loaded.at[slot])
+                plgpu.barrier_arrive(k_free.at[slot])
+                rendezvous()
+                plgpu.barrier_wait(v_loaded.at[slot])
+                plgpu.barrier_arrive(v_free.at[slot])
+                rendezvous()
+
+            # No layout hints here, on the iotas or on the id loads: the wgmma operands and
+            # accumulators fix every register layout, and a hint (layout_cast, layout=) leaves its
+            # operand's layout to a step of Mosaic's solver search over the whole kernel's
+            # constraints, which is most of the lowering time.
+            acc = jnp.zeros((block_q, head_dim_v), jnp.float32)
+            m = jnp.full((block_q,), -jnp.inf, jnp.float32)
+            l = jnp.zeros((block_q,), jnp.float32)
+            carry = (acc, m, l)
+            body = step
             if cfg.overlap:
-                carry = finish_lagged(carry)
-            lax.fori_loop(hi, cta_hi, drain, None)
-            if cfg.pingpong:
-                pl.when(wg == 0)(rendezvous)
-        acc, m, l = carry
+                p0 = jnp.zeros((block_q, block_kv), dtype)
+                carry = (acc, m, l, p0, lo, jnp.bool_(False))
+                body = step_lagged
 
-        # A row that saw no key (l = 0) leaves with O = 0; its acc may hold an unloaded slot's V.
-        seen = l != 0.0
-        if sink_ref is None:
-            out = acc / _bcast_rows(jnp.where(seen, l, 1.0), acc.shape)
-            r = jnp.log2(l)
-        else:
-            weight, r = sink_epilogue(m, l, sink_ref[head], c)
-            out = acc * _bcast_rows(weight, acc.shape)
-        out = jnp.where(_bcast_rows(seen, acc.shape), out, 0.0)
-        if jnp.dtype(dtype) == jnp.float16:
-            big = (jnp.abs(out) > F16_MAX) & (jnp.abs(out) < jnp.inf)
-            out = jnp.where(big, jnp.where(out > 0, F16_MAX, -F16_MAX), out)
-        my_o = o_smem.at[wg]
-        my_o[...] = out.astype(dtype)
-        m_smem.at[wg][...] = jnp.where(m == -jnp.inf, 0.0, m)
-        r_smem.at[wg][...] = r
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(my_o, o_ref.at[batch, pl.ds(q_start, block_q), head])
-        plgpu.copy_smem_to_gmem(m_smem.at[wg], m_ref.at[batch, head, pl.ds(q_start, block_q)])
-        plgpu.copy_smem_to_gmem(r_smem.at[wg], r_ref.at[batch, head, pl.ds(q_start, block_q)])
-        with jax.named_scope("store_wait"):
-            plgpu.wait_smem_to_gmem(0)
+            with jax.named_scope("q_wait"):
+                plgpu.barrier_wait(q_loaded.at[wg])
+            unmasked = functools.partial(body, masked=False)
+            masked = functools.partial(body, masked=True)
+            # Drain, masked leading edge, unmasked middle, masked trailing edge, drain.
+            with jax.named_scope("steps"):
+                if cfg.pingpong:
+                    pl.when(wg == 1)(rendezvous)
+                lax.fori_loop(cta_lo, lo, drain, None)
+                carry = lax.fori_loop(lo, full_lo, masked, carry)
+                carry = lax.fori_loop(full_lo, full_hi, unmasked, carry)
+                carry = lax.fori_loop(full_hi, hi, masked, carry)
+                if cfg.overlap:
+                    carry = finish_lagged(carry)
+                lax.fori_loop(hi, cta_hi, drain, None)
+                if cfg.pingpong:
+                    pl.when(wg == 0)(rendezvous)
+            acc, m, l = carry
+
+            # A row that saw no key (l = 0) leaves with O = 0; its acc may hold an unloaded
+            # slot's V.
+            seen = l != 0.0
+            if sink_ref is None:
+                out = acc / _bcast_rows(jnp.where(seen, l, 1.0), acc.shape)
+                r = jnp.log2(l)
+            else:
+                weight, r = sink_epilogue(m, l, sink_ref[head], c)
+                out = acc * _bcast_rows(weight, acc.shape)
+            out = jnp.where(_bcast_rows(seen, acc.shape), out, 0.0)
+            if jnp.dtype(dtype) == jnp.float16:
+                big = (jnp.abs(out) > F16_MAX) & (jnp.abs(out) < jnp.inf)
+                out = jnp.where(big, jnp.where(out > 0, F16_MAX, -F16_MAX), out)
+            my_o = o_smem.at[wg]
+            my_o[...] = out.astype(dtype)
+            m_smem.at[wg][...] = jnp.where(m == -jnp.inf, 0.0, m)
+            r_smem.at[wg][...] = r
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(my_o, o_ref.at[batch, pl.ds(q_start, block_q), head])
+            plgpu.copy_smem_to_gmem(m_smem.at[wg], m_ref.at[batch, head, pl.ds(q_start, block_q)])
+            plgpu.copy_smem_to_gmem(r_smem.at[wg], r_ref.at[batch, head, pl.ds(q_start, block_q)])
+            with jax.named_scope("store_wait"):
+                plgpu.wait_smem_to_gmem(0)
+            return step_after(t0, n_steps)
+
+        over_items(compute_item)
 
     @pl.when(wg == cfg.compute_wgs)
     def _copy():
         plgpu.set_max_registers(cfg.copy_registers, action="decrease")
-        kv_head = lax.div(head, jnp.int32(group))
         # In a cluster each CTA loads 1/cluster of every block's rows into all of them.
         multicast = dict(collective_axes=CLUSTER_AXIS) if cfg.cluster > 1 else {}
 
-        def load(i, _):
-            # Dynamic starts: a static one past seq_kv would be refused when traced.
-            j = cta_lo + i
-            slot = lax.rem(i, jnp.int32(stages))
-            rows = (batch, pl.ds(j * block_kv, block_kv), kv_head)
-            refill = i >= stages
-            pl.when(refill)(lambda: plgpu.barrier_wait(k_free.at[slot]))
-            plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot], k_loaded.at[slot],
-                                    **multicast)
-            pl.when(refill)(lambda: plgpu.barrier_wait(v_free.at[slot]))
-            plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot], v_loaded.at[slot],
-                                    **multicast)
+        def copy_item(n, t0):
+            """An item's K / V blocks, through the slots as the previous item's steps free
+            them (its first blocks load while that item's last steps and epilogue run)."""
+            _, head, batch, _, cta_lo, _, n_steps = item(n)
+            kv_head = lax.div(head, jnp.int32(group))
 
-        with jax.named_scope("stream"):
-            lax.fori_loop(jnp.int32(0), n_steps, load, None)
+            def load(i, _):
+                # Dynamic starts: a static one past seq_kv would be refused when traced.
+                j = cta_lo + i
+                step = step_after(t0, i)
+                slot = lax.rem(step, jnp.int32(stages))
+                rows = (batch, pl.ds(j * block_kv, block_kv), kv_head)
+                refill = step >= stages
+                pl.when(refill)(lambda: plgpu.barrier_wait(k_free.at[slot]))
+                plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot], k_loaded.at[slot],
+                                        **multicast)
+                pl.when(refill)(lambda: plgpu.barrier_wait(v_free.at[slot]))
+                plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot], v_loaded.at[slot],
+                                        **multicast)
+
+            with jax.named_scope("stream"):
+                lax.fori_loop(jnp.int32(0), n_steps, load, None)
+            return step_after(t0, n_steps)
+
+        n_steps = over_items(copy_item)
 
         # Await the last releases too: interpret mode checks every barrier phase is awaited.
         def last_release(i, _):
@@ -428,6 +472,12 @@ def forward(spec: AttentionSpec, q, k, v, q_ids=None, kv_ids=None, sinks=None, *
     if spec.interpret:
         scratch.append(plgpu.SMEM((wgs, cfg.block_q, cfg.block_kv), dtype))
     order = forward_order(spec, cfg, q, k, n_tiles, v_head_dim=head_dim_v)
+    grid, plan = order.params(), None
+    if cfg.persistent:
+        items = n_tiles * q_heads * batch
+        plan = persistent_forward_plan(spec.mask, n_tiles, cfg.cta_rows, cfg.block_kv, q_heads,
+                                       batch, min(items, cfg.ctas or device_sms()))
+        grid = dict(grid=(plan.shape[0],), grid_names=("cta",))
     body = functools.partial(_kernel, spec=spec, cfg=cfg, group=group, n_tiles=n_tiles,
                              head_dim=head_dim, head_dim_v=head_dim_v, order=order,
                              has_sinks=sinks is not None)
@@ -436,7 +486,7 @@ def forward(spec: AttentionSpec, q, k, v, q_ids=None, kv_ids=None, sinks=None, *
         out_type=(jax.ShapeDtypeStruct((*q.shape[:3], head_dim_v), dtype), stats_shape,
                   stats_shape),
         scratch_types=scratch,
-        **order.params(),
+        **grid,
         num_threads=wgs + 1,   # the copy warpgroup last (index compute_wgs)
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(
@@ -451,6 +501,8 @@ def forward(spec: AttentionSpec, q, k, v, q_ids=None, kv_ids=None, sinks=None, *
         args += _segment_operands(q_ids, kv_ids, cfg, n_tiles)
     if sinks is not None:
         args.append(sinks.astype(jnp.float32))
+    if plan is not None:
+        args.append(jnp.asarray(plan))
     out, m, r = call(*args)
     return out[:, :seq_q], RowStats(m[..., :seq_q], r[..., :seq_q])
 

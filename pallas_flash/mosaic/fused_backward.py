@@ -49,7 +49,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_flash.mosaic.common import (clamp_range, interpret_params, pad_seq, profile_params,
-                                       stream_through_slots)
+                                       step_after, stream_through_slots)
 from pallas_flash.mosaic.config import FUSED_BLOCK_Q as BLOCK_Q
 from pallas_flash.mosaic.config import FUSED_CTA_KEYS as CTA_KEYS
 from pallas_flash.mosaic.config import FUSED_DS_BUFFERS as DS_BUFFERS
@@ -184,12 +184,6 @@ class _Item:
                 self.cta_hi - 1 - lax.rem(t, self.per_head))
 
 
-def _after(t0, t):
-    """Step t of an item whose steps start at t0 (a Python 0 for the one item of a CTA of the
-    launch-order grid, which then traces no add)."""
-    return t if isinstance(t0, int) and t0 == 0 else t0 + t
-
-
 def _fused_body(q_ref, k_ref, v_ref, do_ref, st_ref, dk_ref, dv_ref, dq_ref,
                 k_smem, v_smem, q_smem, do_smem, st_smem, ds_smem, dq_smem,
                 k_loaded, v_loaded, q_loaded, do_loaded, st_loaded, slot_free,
@@ -309,7 +303,7 @@ def _fused_body(q_ref, k_ref, v_ref, do_ref, st_ref, dk_ref, dv_ref, dq_ref,
 
             def step(h, i, carry, masked: bool):
                 dk, dv = carry
-                t = _after(t0, it.step_of(h, i))
+                t = step_after(t0, it.step_of(h, i))
                 slot = lax.rem(t, jnp.int32(stages))
                 q_blk, do_blk, st = q_smem.at[slot], do_smem.at[slot], st_smem.at[slot]
 
@@ -341,7 +335,7 @@ def _fused_body(q_ref, k_ref, v_ref, do_ref, st_ref, dk_ref, dv_ref, dq_ref,
 
             def drain(h, i):
                 # A block only the other warpgroup sees: the exchange still needs a (zero) half.
-                t = _after(t0, it.step_of(h, i))
+                t = step_after(t0, it.step_of(h, i))
                 slot = lax.rem(t, jnp.int32(stages))
                 plgpu.barrier_wait(q_loaded.at[slot])
                 plgpu.barrier_wait(st_loaded.at[slot])
@@ -409,7 +403,7 @@ def _fused_body(q_ref, k_ref, v_ref, do_ref, st_ref, dk_ref, dv_ref, dq_ref,
                     pl.when(n + 1 < n_items)(lambda: plgpu.barrier_arrive(kv_free))
                 else:
                     plgpu.wait_smem_to_gmem(0)
-            return _after(t0, it.total)
+            return step_after(t0, it.total)
 
         def writer_tail(total):
             # Await the writer's last releases (interpret mode checks every phase is awaited).
@@ -495,7 +489,7 @@ def _fused_body(q_ref, k_ref, v_ref, do_ref, st_ref, dk_ref, dv_ref, dq_ref,
 
             def write(t, _):
                 q_head, j = it.block_of(t)
-                dslot = lax.rem(_after(t0, t), jnp.int32(slots))
+                dslot = lax.rem(step_after(t0, t), jnp.int32(slots))
                 src = dq_smem.at[dslot]
                 rows = (it.batch, pl.ds(j * BLOCK_Q, BLOCK_Q), q_head)
                 first = mask.kv_blocks(j * BLOCK_Q, BLOCK_Q, CTA_KEYS, mask.seq_kv)[0]
@@ -533,7 +527,7 @@ def _fused_body(q_ref, k_ref, v_ref, do_ref, st_ref, dk_ref, dv_ref, dq_ref,
                     plgpu.barrier_arrive(dq_free.at[dslot])
 
             lax.fori_loop(jnp.int32(0), it.total, write, None)
-            return _after(t0, it.total)
+            return step_after(t0, it.total)
 
         over_items(item_writes)
 

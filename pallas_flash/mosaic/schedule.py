@@ -284,8 +284,6 @@ def persistent_plan(mask, n_qblocks: int, kv_heads: int, group: int, batch: int,
     item is then the current item of its CTA, and everything it waits on is finished: it can
     always proceed, provided all `ctas` CTAs are resident at once (at most one per SM).
     """
-    if handout not in HANDOUTS:
-        raise ValueError(f"handout must be one of {HANDOUTS}, got {handout!r}")
     first, last = fused_first_tiles(mask, n_qblocks)
     n_tiles = -(-mask.seq_kv // FUSED_CTA_KEYS)
     tiles = np.arange(n_tiles)
@@ -294,17 +292,45 @@ def persistent_plan(mask, n_qblocks: int, kv_heads: int, group: int, batch: int,
     cost = group * seen.sum(axis=1) + ITEM_OVERHEAD_STEPS
     n_items = kv_heads * n_tiles * batch
     tile_of = (np.arange(n_items) // (chunk * batch)) % n_tiles
+    return _hand_out(np.arange(n_items), cost[tile_of], ctas, handout)
+
+
+def _hand_out(items, costs, ctas: int, handout: str) -> np.ndarray:
+    """`items` in handout order, each to the CTA with the least work so far (`costs`, ties to
+    the lowest index), as the int32 [ctas, 1 + most items] plan of `persistent_plan`."""
+    if handout not in HANDOUTS:
+        raise ValueError(f"handout must be one of {HANDOUTS}, got {handout!r}")
     loads = [(0, c) for c in range(ctas)]     # a heap of (work so far, CTA)
     owned = [[] for _ in range(ctas)]
-    for item, t in enumerate(tile_of.tolist()):
+    for item, cost in zip(items.tolist(), costs.tolist()):
         load, c = heapq.heappop(loads)
         owned[c].append(item)
-        heapq.heappush(loads, (load + int(cost[t]), c))
+        heapq.heappush(loads, (load + cost, c))
     if handout == "reversed":
         owned.reverse()
     width = 1 + max(len(o) for o in owned)
     plan = np.full((ctas, width), -1, np.int32)
-    for c, items in enumerate(owned):
-        plan[c, 0] = len(items)
-        plan[c, 1:1 + len(items)] = items
+    for c, mine in enumerate(owned):
+        plan[c, 0] = len(mine)
+        plan[c, 1:1 + len(mine)] = mine
     return plan
+
+
+def forward_item(index, n_tiles: int, q_heads: int):
+    """(tile, q head, batch) of persistent forward item `index` (`persistent_forward_plan`)."""
+    tile = lax.rem(index, jnp.int32(n_tiles))
+    rest = lax.div(index, jnp.int32(n_tiles))
+    return tile, lax.rem(rest, jnp.int32(q_heads)), lax.div(rest, jnp.int32(q_heads))
+
+
+def persistent_forward_plan(mask, n_tiles: int, cta_rows: int, block_kv: int, q_heads: int,
+                            batch: int, ctas: int, handout: str = "longest_first") -> np.ndarray:
+    """The persistent forward's work, as `persistent_plan` lays it out: items (tile, q head,
+    batch), numbered (batch x q_heads + head) x n_tiles + tile, longest first (no item waits
+    on another, so any order is safe; a head's tiles stay together among equals, for L2)."""
+    starts = np.arange(n_tiles, dtype=np.int32) * cta_rows
+    lo, _, _, hi = mask.kv_blocks(starts, cta_rows, block_kv, mask.seq_kv, xp=np)
+    steps = np.broadcast_to(np.maximum(hi - lo, 0), starts.shape)
+    cost = np.tile(steps + ITEM_OVERHEAD_STEPS, q_heads * batch)
+    order = np.argsort(-cost, kind="stable")
+    return _hand_out(order, cost[order], ctas, handout)
