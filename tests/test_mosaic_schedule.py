@@ -288,6 +288,21 @@ def test_persistent_plan_hands_out_every_item_once(sq, skv, causal, window, ctas
     assert _finishes(plan, waits)
 
 
+@pytest.mark.parametrize("sq,skv,options", [
+    (1000, 1000, dict(causal=True)), (700, 1500, dict(causal=False, window=(200, 100))),
+    (640, 896, dict(causal=True, causal_alignment="bottom_right")),
+    (100, 5000, dict(causal=True, causal_alignment="bottom_right", window=(130, 0))),
+    (999, 1111, dict(causal=False))])
+def test_fused_tile_blocks_counts_each_tiles_blocks(sq, skv, options):
+    """The plan's cost of a key tile: how many q blocks' ranges [first(j), last(j)) hold it."""
+    mask = make_mask_spec(sq, skv, **options)
+    n_blocks = -(-sq // FUSED_BLOCK_Q)
+    first, last = schedule.fused_first_tiles(mask, n_blocks)
+    tiles = np.arange(-(-skv // FUSED_CTA_KEYS))
+    table = (first[None, :] <= tiles[:, None]) & (tiles[:, None] < last[None, :])
+    np.testing.assert_array_equal(schedule.fused_tile_blocks(mask, n_blocks), table.sum(axis=1))
+
+
 def test_deadlock_check_can_fail():
     """The simulation above finds a deadlock where there is one: each CTA running its items
     in the reverse of handout order, a tile then waits on a lower tile queued behind it."""
@@ -307,11 +322,8 @@ def test_persistent_plan_balances_causal_work():
     mask, n_blocks, kw = _plan_case(2048, 2048, True, kv_heads=4, group=4, batch=1)
     ctas = 13
     plan = schedule.persistent_plan(mask, n_blocks, ctas=ctas, **kw)
-    first, last = schedule.fused_first_tiles(mask, n_blocks)
     n_tiles = 2048 // FUSED_CTA_KEYS
-    tiles = np.arange(n_tiles)
-    seen = ((first[None, :] <= tiles[:, None]) & (tiles[:, None] < last[None, :])).sum(axis=1)
-    cost = kw["group"] * seen + schedule.ITEM_OVERHEAD_STEPS
+    cost = kw["group"] * schedule.fused_tile_blocks(mask, n_blocks) + schedule.ITEM_OVERHEAD_STEPS
     assert cost.max() >= 8 * cost.min()
     tile_of = lambda item: (item // kw["batch"]) % n_tiles  # noqa: E731
     loads = [sum(int(cost[tile_of(i)]) for i in row) for row in _items_of(plan)]

@@ -268,6 +268,18 @@ def fused_item(index, n_tiles: int, chunk: int, batch_size: int):
     return tile, head, lax.rem(inner, jnp.int32(batch_size))
 
 
+def fused_tile_blocks(mask, n_qblocks: int) -> np.ndarray:
+    """The q blocks each key tile of the fused kernel sees, int64 [n_tiles]: those j with
+    first(j) <= t < last(j), counted through the ranges' ends (linear in the lengths; a tile x
+    block table would be quadratic, gigabytes at 4M tokens)."""
+    first, last = fused_first_tiles(mask, n_qblocks)
+    n_tiles = -(-mask.seq_kv // FUSED_CTA_KEYS)
+    ends = np.zeros(n_tiles + 1, np.int64)
+    np.add.at(ends, np.clip(first, 0, n_tiles), 1)
+    np.add.at(ends, np.clip(np.maximum(last, first), 0, n_tiles), -1)
+    return np.cumsum(ends[:-1])
+
+
 def persistent_plan(mask, n_qblocks: int, kv_heads: int, group: int, batch: int, chunk: int,
                     ctas: int, handout: str = "longest_first") -> np.ndarray:
     """The persistent fused grid's work: int32 [ctas, 1 + most items], per CTA its item count
@@ -284,12 +296,8 @@ def persistent_plan(mask, n_qblocks: int, kv_heads: int, group: int, batch: int,
     item is then the current item of its CTA, and everything it waits on is finished: it can
     always proceed, provided all `ctas` CTAs are resident at once (at most one per SM).
     """
-    first, last = fused_first_tiles(mask, n_qblocks)
     n_tiles = -(-mask.seq_kv // FUSED_CTA_KEYS)
-    tiles = np.arange(n_tiles)
-    # Steps of key tile t: the q blocks j with first(j) <= t < last(j), once per q head.
-    seen = (first[None, :] <= tiles[:, None]) & (tiles[:, None] < last[None, :])
-    cost = group * seen.sum(axis=1) + ITEM_OVERHEAD_STEPS
+    cost = group * fused_tile_blocks(mask, n_qblocks) + ITEM_OVERHEAD_STEPS
     n_items = kv_heads * n_tiles * batch
     tile_of = (np.arange(n_items) // (chunk * batch)) % n_tiles
     return _hand_out(np.arange(n_items), cost[tile_of], ctas, handout)
