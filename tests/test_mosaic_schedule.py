@@ -186,29 +186,40 @@ def test_fused_head_chunk_must_divide_the_kv_heads():
         schedule.fused_head_chunk(dataclasses.replace(FUSED, fused_head_chunk=4), 1, 6)
 
 
+def _causal_fused_grads(seed, b, s, hq, hkv, d=128, dtype=jnp.bfloat16):
+    """grads(**fields): the fused backward's (dq, dk, dv) at FUSED with `fields` replaced, on
+    fresh causal inputs and random cotangents (the Triton forward's O and statistics); the
+    first call's gradients are checked against the float32 reference."""
+    q, k, v, do = random_inputs(jax.random.PRNGKey(seed), b, s, s, hq, hkv, d, dtype)
+    dlse = jax.random.normal(jax.random.PRNGKey(seed + 1), (b, hq, s), jnp.float32)
+    spec = make_spec(s, s, d, dtype, causal=True)
+    out, row_stats = triton_forward.forward(spec, q, k, v)
+    checked = []
+
+    def grads(**fields):
+        cfg = dataclasses.replace(FUSED, **fields)
+        got = jax.jit(lambda *a: mosaic_backward.backward(spec, *a, config=cfg))(
+            q, k, v, out, row_stats, do, dlse)
+        if not checked:
+            ref = reference_grads(q, k, v, do, dlse, causal=True)
+            for name, g, r in zip(("dq", "dk", "dv"), got, ref):
+                assert_close(f"{name} vs reference", g, r, TOLERANCE[jnp.dtype(dtype)])
+            checked.append(True)
+        return got
+
+    return grads
+
+
 @needs_hopper
 def test_fused_head_chunks_give_the_same_bits():
     """The adds into a q block's dQ run in tile order whatever order the CTAs launch in: every
     chunk gives the same gradients, bit for bit, and they match the reference. Compiled, the
     CTAs of interleaved heads run at once and their semaphores interlock; in interpret mode
     (one CTA at a time) this checks the grid's index arithmetic."""
-    b, s, hq, hkv, d, dtype = 1, 256, 4, 4, 128, jnp.bfloat16
-    q, k, v, do = random_inputs(jax.random.PRNGKey(65), b, s, s, hq, hkv, d, dtype)
-    dlse = jax.random.normal(jax.random.PRNGKey(66), (b, hq, s), jnp.float32)
-    spec = make_spec(s, s, d, dtype, causal=True)
-    out, row_stats = triton_forward.forward(spec, q, k, v)
-    ref = reference_grads(q, k, v, do, dlse, causal=True)
-
-    def grads(chunk):
-        cfg = dataclasses.replace(FUSED, fused_head_chunk=chunk)
-        return jax.jit(lambda *a: mosaic_backward.backward(spec, *a, config=cfg))(
-            q, k, v, out, row_stats, do, dlse)
-
-    unchunked = grads(1)
-    for name, g, r in zip(("dq", "dk", "dv"), unchunked, ref):
-        assert_close(f"{name} vs reference", g, r, TOLERANCE[jnp.dtype(dtype)])
+    grads = _causal_fused_grads(65, 1, 256, 4, 4)
+    unchunked = grads(fused_head_chunk=1)
     for chunk in (2, 4):
-        for name, g, h in zip(("dq", "dk", "dv"), grads(chunk), unchunked):
+        for name, g, h in zip(("dq", "dk", "dv"), grads(fused_head_chunk=chunk), unchunked):
             np.testing.assert_array_equal(np.asarray(g), np.asarray(h), err_msg=f"{name} {chunk}")
 
 
@@ -357,21 +368,8 @@ def test_persistent_gives_the_grids_bits():
     """The persistent grid adds each q block's dQ in the same tile order as the launch-order
     grid: its gradients are those of the grid, bit for bit, for every CTA count and handout,
     and match the reference."""
-    b, s, hq, hkv, d, dtype = 2, 640, 4, 2, 128, jnp.bfloat16
-    q, k, v, do = random_inputs(jax.random.PRNGKey(67), b, s, s, hq, hkv, d, dtype)
-    dlse = jax.random.normal(jax.random.PRNGKey(68), (b, hq, s), jnp.float32)
-    spec = make_spec(s, s, d, dtype, causal=True)
-    out, row_stats = triton_forward.forward(spec, q, k, v)
-    ref = reference_grads(q, k, v, do, dlse, causal=True)
-
-    def grads(**fields):
-        cfg = dataclasses.replace(FUSED, **fields)
-        return jax.jit(lambda *a: mosaic_backward.backward(spec, *a, config=cfg))(
-            q, k, v, out, row_stats, do, dlse)
-
+    grads = _causal_fused_grads(67, 2, 640, 4, 2)
     grid = grads()
-    for name, g, r in zip(("dq", "dk", "dv"), grid, ref):
-        assert_close(f"{name} vs reference", g, r, TOLERANCE[jnp.dtype(dtype)])
     for fields in (dict(), dict(fused_ctas=1), dict(fused_ctas=3, fused_handout="reversed"),
                    dict(fused_ctas=7)):
         for name, g, h in zip(("dq", "dk", "dv"), grads(fused_persistent=True, **fields), grid):

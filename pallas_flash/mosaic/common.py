@@ -172,11 +172,14 @@ def stream_through_slots(issue, slot_free, stages: int, total):
         issue(t, slot)
 
     lax.fori_loop(jnp.int32(stages), total, refill, None)
+    await_last_frees(slot_free, stages, total)
 
-    def last_release(t, _):
-        plgpu.barrier_wait(slot_free.at[lax.rem(t, jnp.int32(stages))])
 
-    lax.fori_loop(jnp.maximum(total - stages, 0), total, last_release, None)
+def await_last_frees(free, slots: int, total):
+    """Wait on `free` for the last `slots` of `total` steps, whose frees no later step awaited
+    (interpret mode checks every barrier phase is awaited); step t frees free[t % slots]."""
+    lax.fori_loop(jnp.maximum(total - slots, 0), total,
+                  lambda t, _: plgpu.barrier_wait(free.at[lax.rem(t, jnp.int32(slots))]), None)
 
 
 def step_after(t0, t):

@@ -48,8 +48,9 @@ from jax import custom_batching, lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_flash.mosaic.common import (clamp_range, interpret_params, pad_seq, profile_params,
-                                       step_after, stream_through_slots)
+from pallas_flash.mosaic.common import (await_last_frees, clamp_range, interpret_params,
+                                       pad_seq, profile_params, step_after,
+                                       stream_through_slots)
 from pallas_flash.mosaic.config import FUSED_BLOCK_Q as BLOCK_Q
 from pallas_flash.mosaic.config import FUSED_CTA_KEYS as CTA_KEYS
 from pallas_flash.mosaic.config import FUSED_DS_BUFFERS as DS_BUFFERS
@@ -408,10 +409,7 @@ def _fused_body(q_ref, k_ref, v_ref, do_ref, st_ref, dk_ref, dv_ref, dq_ref,
         def writer_tail(total):
             # Await the writer's last releases (interpret mode checks every phase is awaited).
             with jax.named_scope("writer_tail"):
-                lax.fori_loop(
-                    jnp.maximum(total - slots, 0), total,
-                    lambda t, _: plgpu.barrier_wait(dq_free.at[lax.rem(t, jnp.int32(slots))]),
-                    None)
+                await_last_frees(dq_free, slots, total)
 
         steps = over_items(item_work)
         if persistent:
@@ -470,11 +468,7 @@ def _fused_body(q_ref, k_ref, v_ref, do_ref, st_ref, dk_ref, dv_ref, dq_ref,
             return t0 + it.total
 
         with jax.named_scope("stream"):
-            steps = over_items(item_copies)
-            lax.fori_loop(
-                jnp.maximum(steps - stages, 0), steps,
-                lambda t, _: plgpu.barrier_wait(slot_free.at[lax.rem(t, jnp.int32(stages))]),
-                None)
+            await_last_frees(slot_free, stages, over_items(item_copies))
 
     @pl.when(wg == 3)
     def _write():

@@ -296,8 +296,8 @@ def persistent_plan(mask, n_qblocks: int, kv_heads: int, group: int, batch: int,
     item is then the current item of its CTA, and everything it waits on is finished: it can
     always proceed, provided all `ctas` CTAs are resident at once (at most one per SM).
     """
-    n_tiles = -(-mask.seq_kv // FUSED_CTA_KEYS)
     cost = group * fused_tile_blocks(mask, n_qblocks) + ITEM_OVERHEAD_STEPS
+    n_tiles = cost.size
     n_items = kv_heads * n_tiles * batch
     tile_of = (np.arange(n_items) // (chunk * batch)) % n_tiles
     return _hand_out(np.arange(n_items), cost[tile_of], ctas, handout)
