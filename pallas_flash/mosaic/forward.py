@@ -376,10 +376,14 @@ def _kernel_body(q_ref, k_ref, v_ref, q_ids_ref, kv_ids_ref, cta_seg_ref, wg_seg
             plgpu.copy_smem_to_gmem(m_smem.at[wg], m_ref.at[batch, head, pl.ds(q_start, block_q)])
             plgpu.copy_smem_to_gmem(r_smem.at[wg], r_ref.at[batch, head, pl.ds(q_start, block_q)])
             with jax.named_scope("store_wait"):
-                plgpu.wait_smem_to_gmem(0)
+                # A persistent CTA's next item reloads these buffers as soon as the stores
+                # have read them; the writes finish under that item's Q load.
+                plgpu.wait_smem_to_gmem(0, wait_read_only=plan_ref is not None)
             return step_after(t0, n_steps)
 
         over_items(compute_item)
+        if plan_ref is not None:
+            plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == cfg.compute_wgs)
     def _copy():
