@@ -95,10 +95,30 @@ def test_three_wgs_config():
     (256, False, False, False, 1),    # slower in clusters
 ])
 def test_default_cluster(d, causal, has_segments, interpret, expected):
-    spec = make_spec(256, 256, d, jnp.bfloat16, causal=causal, has_segments=has_segments,
+    # Past PERSISTENT_FORWARD_MAX_KV keys, where the grid launches a CTA per tile.
+    spec = make_spec(2048, 2048, d, jnp.bfloat16, causal=causal, has_segments=has_segments,
                      interpret=interpret)
     assert default_forward_config(d, spec).cluster == expected
     assert default_forward_config(d).cluster == 1
+
+
+@pytest.mark.parametrize("d,sq,skv,opts,expected", [
+    (128, 1024, 1024, {}, True),
+    (128, 4096, 1000, {}, True),                      # the key length decides
+    (128, 1024, 1025, {}, False),
+    (128, 1024, 1024, dict(causal=True), False),      # a causal bound: the grid is faster
+    (128, 1024, 1024, dict(window=(128, 128)), False),
+    (128, 1024, 1024, dict(has_segments=True), False),
+    (128, 1024, 1024, dict(interpret=True), False),   # compiled only, as clusters
+    (96, 1024, 1024, {}, False),                      # measured at head_dim 128 only
+    (256, 1024, 1024, {}, False),
+])
+def test_default_persistent(d, sq, skv, opts, expected):
+    """Short keys without a position mask run the persistent forward (docs/tuning.md)."""
+    opts = dict(dict(interpret=False), **opts)
+    cfg = default_forward_config(d, make_spec(sq, skv, d, jnp.bfloat16, **opts))
+    assert cfg.persistent == expected
+    assert cfg.cluster == 1 or not expected
 
 
 def test_backward_config_validation():

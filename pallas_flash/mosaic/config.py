@@ -185,11 +185,28 @@ def default_forward_config(head_dim: int, spec: AttentionSpec | None = None
         # Small tiles compute little per step: ping-pong hides the softmax better than overlap.
         return MosaicForwardConfig(block_q=64, block_kv=256, stages=2)
     if head_dim <= 128:
+        if head_dim == 128 and _persistent_pays(spec):
+            # Items of a few key blocks each: one CTA per SM hides each item's Q load and
+            # store under the next item's K / V stream, which a launch per tile cannot.
+            return MosaicForwardConfig(block_q=64, block_kv=128, stages=2, pingpong=False,
+                                       overlap=True, persistent=True)
         # The largest two-slot block that fits, with the softmax overlapping P V.
         return MosaicForwardConfig(block_q=64, block_kv=128, stages=2, pingpong=False,
                                    overlap=True, cluster=2 if _clusters_pay(spec) else 1)
     # head_dim 256: 64 keys keep two K / V slots in shared memory.
     return MosaicForwardConfig(block_q=64, block_kv=64, stages=2, pingpong=False, overlap=True)
+
+
+# Longest key sequence at which the head_dim 128 forward runs persistent (docs/tuning.md).
+PERSISTENT_FORWARD_MAX_KV = 1024
+
+
+def _persistent_pays(spec: AttentionSpec | None) -> bool:
+    """Whether a head_dim 128 call runs the persistent grid: compiled, every tile streaming
+    all of at most PERSISTENT_FORWARD_MAX_KV keys (no position mask, no segment ids). With a
+    causal bound, or longer keys, the grid measured faster."""
+    return (spec is not None and not spec.interpret and not spec.mask.has_position_mask
+            and not spec.has_segments and spec.mask.seq_kv <= PERSISTENT_FORWARD_MAX_KV)
 
 
 def _clusters_pay(spec: AttentionSpec | None) -> bool:
