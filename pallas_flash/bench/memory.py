@@ -24,6 +24,10 @@ from pallas_flash.bench.impls import IMPLS, NotApplicable, short_error
 from pallas_flash.bench.timing import make_fns
 
 MEMORY_SEQS = "32k,128k,512k,1M,2M,4M"
+# The share of device memory a child's allocator may take. Without preallocation JAX's
+# allocator still stops at 75% of the memory by default, below the longest points' needs
+# (the floor at 4M tokens and 16 heads is 128 GiB of an H200's 139).
+MEMORY_FRACTION = "0.95"
 MEMORY_SHAPE = (1, 16, 16, 128)  # batch, q_heads, kv_heads, head_dim
 CHILD_MARKER = "PALLAS_FLASH_MEMORY_JSON "
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -85,9 +89,18 @@ def memory_child(impl: str, seq: int, dtype_name: str, heads: int | None = None)
     return result
 
 
+def child_env() -> dict:
+    """The environment of a memory child: no preallocation (the peak is what the step holds),
+    and the allocator allowed MEMORY_FRACTION of the device unless the caller set a share."""
+    env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
+    if not (env.get("XLA_CLIENT_MEM_FRACTION") or env.get("XLA_PYTHON_CLIENT_MEM_FRACTION")):
+        env["XLA_CLIENT_MEM_FRACTION"] = MEMORY_FRACTION
+    return env
+
+
 def run_memory_point(impl: str, seq: int, args) -> dict:
     """Runs memory_child in a fresh subprocess and parses its JSON line."""
-    env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
+    env = child_env()
     # Make `-m pallas_flash.bench` importable from any working directory.
     env["PYTHONPATH"] = os.pathsep.join(p for p in (_ROOT, env.get("PYTHONPATH")) if p)
     cmd = [sys.executable, "-m", "pallas_flash.bench", "--_memory-child", impl,

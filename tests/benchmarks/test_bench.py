@@ -160,6 +160,23 @@ def test_failing_impl_does_not_stop_the_run(tmp_path, monkeypatch):
     assert "error: RuntimeError: kaboom" in report.format_table(result["results"])
 
 
+def test_memory_children_may_use_most_of_the_device(monkeypatch):
+    """Without preallocation JAX's allocator stops at 75% of the device unless told a share:
+    the children get MEMORY_FRACTION, and a share the caller set stands."""
+    from pallas_flash.bench import memory
+    for name in ("XLA_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_MEM_FRACTION"):
+        monkeypatch.delenv(name, raising=False)
+    env = memory.child_env()
+    assert env["XLA_PYTHON_CLIENT_PREALLOCATE"] == "false"
+    assert env["XLA_CLIENT_MEM_FRACTION"] == memory.MEMORY_FRACTION
+    for name in ("XLA_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_MEM_FRACTION"):
+        monkeypatch.setenv(name, "0.5")
+        env = memory.child_env()
+        assert env[name] == "0.5"
+        assert sum(k.endswith("MEM_FRACTION") for k in env) == 1
+        monkeypatch.delenv(name)
+
+
 def test_memory_mode_runs_children(tmp_path):
     """Plumbing of --memory: one fresh subprocess per point, JSON back."""
     result = main(["--memory", "--memory-seqs", "256", "--impls", "xla",
