@@ -175,6 +175,12 @@ VARIANTS = [
              interpret=("features/partial-tiles", "features/segments-lengths")),
     _variant("mosaic-persistent-fwd-3ctas", dict(persistent=True, cluster=1, ctas=3),
              groups=("features",), interpret=("features/window-causal-softcap",)),
+    # The next item's Q loaded while this one runs: three CTAs, so that every CTA loads ahead.
+    _variant("mosaic-persistent-fwd-prefetch",
+             dict(persistent=True, cluster=1, ctas=3, q_prefetch=True),
+             groups=("features", "launch-order"),
+             interpret=("features/partial-tiles", "features/segments-lengths",
+                        "launch-order/segments-gqa-chunk2")),
 ]
 
 

@@ -49,6 +49,14 @@ def test_forward_config_accepts_cluster_4(block_kv):
     assert C(block_kv=block_kv, cluster=4).cluster == 4
 
 
+def test_q_prefetch_config():
+    """A second Q tile per compute warpgroup, only where a CTA runs more than one item."""
+    with pytest.raises(ValueError, match=r"MosaicForwardConfig\.q_prefetch needs persistent"):
+        C(q_prefetch=True)
+    cfg = C(persistent=True, q_prefetch=True)
+    assert cfg.smem_bytes(128) - C(persistent=True).smem_bytes(128) == 128 * 128 * 2
+
+
 def test_head_chunk_validation():
     for bad in (0, True):
         with pytest.raises(ValueError, match=r"MosaicForwardConfig\.head_chunk must be"):

@@ -54,7 +54,7 @@ def test_lowers_for_sm90(d, dtype, causal, overlap):
 
 @pytest.mark.parametrize("d,causal,fields", [
     (128, True, {}), (64, False, dict(overlap=True, block_kv=128, ctas=3)),
-    (256, True, dict(pingpong=False))])
+    (256, True, dict(pingpong=False)), (128, False, dict(q_prefetch=True))])
 def test_persistent_lowers_for_sm90(d, causal, fields):
     """The persistent grid (items looped per CTA, the plan read from global memory)."""
     q, k, v = _inputs(2, 1024, 1024, 4, 2, d, jnp.bfloat16)

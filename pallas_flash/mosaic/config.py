@@ -111,6 +111,9 @@ class MosaicForwardConfig:
     persistent: bool = False
     # CTAs of the persistent grid; None: the device's SMs.
     ctas: int | None = None
+    # Persistent only: a second Q buffer per compute warpgroup, so that the next item's Q loads
+    # while this item runs instead of after its store (one more Q tile of shared memory).
+    q_prefetch: bool = False
 
     def __post_init__(self):
         if self.block_q != 64:
@@ -136,6 +139,9 @@ class MosaicForwardConfig:
         if self.persistent and self.cluster > 1:
             raise ValueError("MosaicForwardConfig.persistent runs without clusters (a cluster's "
                              f"CTAs share blocks of adjacent tiles), got cluster={self.cluster}")
+        if self.q_prefetch and not self.persistent:
+            raise ValueError("MosaicForwardConfig.q_prefetch needs persistent=True (a grid "
+                             "CTA runs one item, so there is no next Q to load)")
         if self.cluster > 1 and self.head_chunk not in (None, 1):
             raise ValueError("MosaicForwardConfig.head_chunk must be None or 1 with clusters "
                              f"(a cluster's CTAs are adjacent tiles), got {self.head_chunk}")
@@ -164,7 +170,7 @@ class MosaicForwardConfig:
         """Shared memory of one CTA; head_dim_v: V's head_dim if not Q/K's (MLA), whose O
         then stages in a buffer of its own (Q's otherwise)."""
         head_dim_v = head_dim if head_dim_v is None else head_dim_v
-        q = self.cta_rows * head_dim * itemsize
+        q = self.cta_rows * head_dim * itemsize * (2 if self.q_prefetch else 1)
         o = self.cta_rows * head_dim_v * itemsize if head_dim_v != head_dim else 0
         kv = self.stages * self.block_kv * (head_dim + head_dim_v) * itemsize
         stats = 2 * self.cta_rows * 4

@@ -122,6 +122,7 @@ def _kernel_body(q_ref, k_ref, v_ref, q_ids_ref, kv_ids_ref, cta_seg_ref, wg_seg
         tile, head, batch, wg, cta_start, cta_lo, cta_hi = query_tile_position(
             mask, n_tiles, cta_rows, block_kv, cta_seg_ref, cfg.cluster, order)
         only = (tile, head, batch, cta_start, cta_lo, cta_hi, cta_hi - cta_lo)
+        n_items = None
 
         def item(n):
             return only
@@ -146,6 +147,10 @@ def _kernel_body(q_ref, k_ref, v_ref, q_ids_ref, kv_ids_ref, cta_seg_ref, wg_seg
             returns t0 plus its item's steps."""
             return lax.fori_loop(jnp.int32(0), n_items, fn, jnp.int32(0))
 
+    def q_buffer(n):
+        """Warpgroup wg's Q buffer for item n (cfg.q_prefetch: two per warpgroup)."""
+        return lax.rem(n, jnp.int32(2)) * cfg.compute_wgs + wg
+
     def rendezvous():
         if cfg.pingpong:
             plgpu.barrier_arrive(rendezvous_bar)
@@ -162,9 +167,19 @@ def _kernel_body(q_ref, k_ref, v_ref, q_ids_ref, kv_ids_ref, cta_seg_ref, wg_seg
                 return lax.rem(step_after(t0, j - cta_lo), jnp.int32(stages))
 
             q_start = cta_start + wg * block_q
-            my_q = q_smem.at[wg]
-            plgpu.copy_gmem_to_smem(
-                q_ref.at[batch, pl.ds(q_start, block_q), head], my_q, q_loaded.at[wg])
+            if cfg.q_prefetch:
+                # Item n's Q sits in buffer n % 2; the first item loads its own, every later
+                # one was loaded while the item before it ran (below).
+                mine = q_buffer(n)
+                pl.when(n == 0)(lambda: plgpu.copy_gmem_to_smem(
+                    q_ref.at[batch, pl.ds(q_start, block_q), head], q_smem.at[mine],
+                    q_loaded.at[mine]))
+            else:
+                mine = wg
+                plgpu.copy_gmem_to_smem(
+                    q_ref.at[batch, pl.ds(q_start, block_q), head], q_smem.at[mine],
+                    q_loaded.at[mine])
+            my_q = q_smem.at[mine]
 
             bounds = mask.kv_blocks(q_start, block_q, block_kv, mask.seq_kv)
             q_ids = None
@@ -336,7 +351,16 @@ def _kernel_body(q_ref, k_ref, v_ref, q_ids_ref, kv_ids_ref, cta_seg_ref, wg_seg
                 body = step_lagged
 
             with jax.named_scope("q_wait"):
-                plgpu.barrier_wait(q_loaded.at[wg])
+                plgpu.barrier_wait(q_loaded.at[mine])
+            if cfg.q_prefetch:
+                # The other buffer's last reader, the previous item's O store, has read it.
+                @pl.when(n + 1 < n_items)
+                def _prefetch():
+                    _, next_head, next_batch, next_start, *_ = item(n + 1)
+                    rows = pl.ds(next_start + wg * block_q, block_q)
+                    plgpu.copy_gmem_to_smem(q_ref.at[next_batch, rows, next_head],
+                                            q_smem.at[q_buffer(n + 1)],
+                                            q_loaded.at[q_buffer(n + 1)])
             unmasked = functools.partial(body, masked=False)
             masked = functools.partial(body, masked=True)
             # Drain, masked leading edge, unmasked middle, masked trailing edge, drain.
@@ -367,7 +391,8 @@ def _kernel_body(q_ref, k_ref, v_ref, q_ids_ref, kv_ids_ref, cta_seg_ref, wg_seg
             if jnp.dtype(dtype) == jnp.float16:
                 big = (jnp.abs(out) > F16_MAX) & (jnp.abs(out) < jnp.inf)
                 out = jnp.where(big, jnp.where(out > 0, F16_MAX, -F16_MAX), out)
-            my_o = o_smem.at[wg]
+            # O stages in this item's Q buffer, or in its own (MLA).
+            my_o = o_smem.at[mine if head_dim_v == head_dim else wg]
             my_o[...] = out.astype(dtype)
             m_smem.at[wg][...] = jnp.where(m == -jnp.inf, 0.0, m)
             r_smem.at[wg][...] = r
@@ -458,13 +483,14 @@ def forward(spec: AttentionSpec, q, k, v, q_ids=None, kv_ids=None, sinks=None, *
     wgs = cfg.compute_wgs
     free_barrier = (functools.partial(plgpu.ClusterBarrier, collective_axes=(CLUSTER_AXIS,))
                     if cfg.cluster > 1 else plgpu.Barrier)
+    q_buffers = wgs * (2 if cfg.q_prefetch else 1)
     scratch = [
-        plgpu.SMEM((wgs, cfg.block_q, head_dim), dtype),
+        plgpu.SMEM((q_buffers, cfg.block_q, head_dim), dtype),
         plgpu.SMEM((cfg.stages, cfg.block_kv, head_dim), dtype),
         plgpu.SMEM((cfg.stages, cfg.block_kv, head_dim_v), dtype, **_v_transforms(cfg, dtype)),
         plgpu.SMEM((wgs, cfg.block_q), jnp.float32),
         plgpu.SMEM((wgs, cfg.block_q), jnp.float32),
-        plgpu.Barrier(num_barriers=wgs),
+        plgpu.Barrier(num_barriers=q_buffers),
         plgpu.Barrier(num_barriers=cfg.stages),
         plgpu.Barrier(num_barriers=cfg.stages),
         free_barrier(num_arrivals=wgs, num_barriers=cfg.stages),
