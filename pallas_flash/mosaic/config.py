@@ -208,11 +208,10 @@ PERSISTENT_FORWARD_MAX_KV = 1024
 
 
 def _persistent_pays(spec: AttentionSpec | None) -> bool:
-    """Whether a head_dim 128 call runs the persistent grid: compiled, every tile streaming
-    all of at most PERSISTENT_FORWARD_MAX_KV keys (no position mask, no segment ids). With a
+    """Whether a head_dim 128 call runs the persistent grid: where clusters would pay (every
+    tile streams the same key blocks), with at most PERSISTENT_FORWARD_MAX_KV keys. With a
     causal bound, or longer keys, the grid measured faster."""
-    return (spec is not None and not spec.interpret and not spec.mask.has_position_mask
-            and not spec.has_segments and spec.mask.seq_kv <= PERSISTENT_FORWARD_MAX_KV)
+    return _clusters_pay(spec) and spec.mask.seq_kv <= PERSISTENT_FORWARD_MAX_KV
 
 
 def _clusters_pay(spec: AttentionSpec | None) -> bool:

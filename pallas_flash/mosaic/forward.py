@@ -167,18 +167,20 @@ def _kernel_body(q_ref, k_ref, v_ref, q_ids_ref, kv_ids_ref, cta_seg_ref, wg_seg
                 return lax.rem(step_after(t0, j - cta_lo), jnp.int32(stages))
 
             q_start = cta_start + wg * block_q
+
+            def load_q(at_batch, at_start, at_head, buffer):
+                plgpu.copy_gmem_to_smem(
+                    q_ref.at[at_batch, pl.ds(at_start, block_q), at_head], q_smem.at[buffer],
+                    q_loaded.at[buffer])
+
             if cfg.q_prefetch:
                 # Item n's Q sits in buffer n % 2; the first item loads its own, every later
                 # one was loaded while the item before it ran (below).
                 mine = q_buffer(n)
-                pl.when(n == 0)(lambda: plgpu.copy_gmem_to_smem(
-                    q_ref.at[batch, pl.ds(q_start, block_q), head], q_smem.at[mine],
-                    q_loaded.at[mine]))
+                pl.when(n == 0)(lambda: load_q(batch, q_start, head, mine))
             else:
                 mine = wg
-                plgpu.copy_gmem_to_smem(
-                    q_ref.at[batch, pl.ds(q_start, block_q), head], q_smem.at[mine],
-                    q_loaded.at[mine])
+                load_q(batch, q_start, head, mine)
             my_q = q_smem.at[mine]
 
             bounds = mask.kv_blocks(q_start, block_q, block_kv, mask.seq_kv)
@@ -357,10 +359,7 @@ def _kernel_body(q_ref, k_ref, v_ref, q_ids_ref, kv_ids_ref, cta_seg_ref, wg_seg
                 @pl.when(n + 1 < n_items)
                 def _prefetch():
                     _, next_head, next_batch, next_start, *_ = item(n + 1)
-                    rows = pl.ds(next_start + wg * block_q, block_q)
-                    plgpu.copy_gmem_to_smem(q_ref.at[next_batch, rows, next_head],
-                                            q_smem.at[q_buffer(n + 1)],
-                                            q_loaded.at[q_buffer(n + 1)])
+                    load_q(next_batch, next_start + wg * block_q, next_head, q_buffer(n + 1))
             unmasked = functools.partial(body, masked=False)
             masked = functools.partial(body, masked=True)
             # Drain, masked leading edge, unmasked middle, masked trailing edge, drain.
