@@ -87,10 +87,14 @@ def unsupported_operands(which: str, q, k, v, *, v_head_dim_may_differ: bool = F
     return None
 
 
-def exp2_tanh(x):
-    """tanh(x) as 1 - 2 / (2^(2 x log2 e) + 1): under approx_math a plain tanh is ~2^-11 off,
-    so a pass's m and r would not match another pass's P; ex2.approx is a few ulps off."""
-    return 1.0 - 2.0 / (jnp.exp2(x * (2.0 * LOG2E)) + 1.0)
+def softcap_tanh(x):
+    """tanh(x) for the softcap. The kernels compile with approx_math, which makes this one
+    tanh.approx.f32 on the multi-function unit, the unit the softmax's exp2 already keeps busy;
+    the exact form 1 - 2 / (2^(2x log2 e) + 1) costs an exp2 and a division there. Its error
+    (PTX ISA: 2^-10.987 relative at most) does not show against float32 references at the
+    operands' precision (docs/tuning.md, "Softcap"); FlashAttention and tokamax use it too.
+    In interpret mode it is jnp.tanh's exact value."""
+    return jnp.tanh(x)
 
 
 def logit_units(spec: AttentionSpec, s):
@@ -98,7 +102,7 @@ def logit_units(spec: AttentionSpec, s):
     softcap's chain rule (None without one)."""
     if spec.softcap is None:
         return s, None
-    t = exp2_tanh(s * (spec.scale / spec.softcap))
+    t = softcap_tanh(s * (spec.scale / spec.softcap))
     return t, t
 
 

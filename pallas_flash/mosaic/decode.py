@@ -54,7 +54,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_flash.mosaic.common import (SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS, exp2_tanh,
+from pallas_flash.mosaic.common import (SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS, softcap_tanh,
                                        interpret_params, stream_through_slots)
 from pallas_flash.mosaic.config import SMEM_LIMIT, SMEM_RESERVED, WG_ROWS
 from pallas_flash.mosaic.tiles import accumulate, product
@@ -265,7 +265,7 @@ def _compute_keys_as_m(*, plan, tiles, q_ref, o_ref, lse_ref, q_smem, k_smem, v_
 
             s = pl.run_scoped(logits, plgpu.ACC((block_kv, n), jnp.float32))
             if plan.softcap is not None:
-                s = exp2_tanh(s * (plan.scale / plan.softcap))
+                s = softcap_tanh(s * (plan.scale / plan.softcap))
             if masked:
                 shape = (block_kv, n)
                 key = plgpu.broadcasted_iota(jnp.int32, shape, 0,
@@ -405,7 +405,7 @@ def _kernel(*refs, plan, tiles: DecodeTiles, n_tiles: int):
 
         def visible_logits(j, s, masked: bool):
             if plan.softcap is not None:
-                s = exp2_tanh(s * (plan.scale / plan.softcap))
+                s = softcap_tanh(s * (plan.scale / plan.softcap))
             if not masked:
                 return s
             shape = (WG_ROWS, block_kv)
