@@ -174,18 +174,24 @@ def _softcap_tanh_in_a_kernel(x):
     """common.softcap_tanh applied inside a Mosaic GPU kernel compiled as the attention kernels
     are (approx_math), so that on the GPU it is the hardware's approximation; interpreted on
     the CPU. x: float32 [192, 128] (in and out fit shared memory)."""
-    from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     from pallas_flash.mosaic.common import interpret_params, softcap_tanh
 
-    def kernel(x_ref, o_ref):
-        o_ref[...] = softcap_tanh(x_ref[...])
+    def kernel(x_gmem, o_gmem, x_smem, o_smem, loaded):
+        plgpu.copy_gmem_to_smem(x_gmem, x_smem, loaded)
+        plgpu.barrier_wait(loaded)
+        o_smem[...] = softcap_tanh(x_smem[...])
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_smem, o_gmem)
+        plgpu.wait_smem_to_gmem(0)
 
-    return pl.pallas_call(
-        kernel, out_shape=jax.ShapeDtypeStruct(x.shape, jnp.float32),
+    return plgpu.kernel(
+        kernel, out_type=jax.ShapeDtypeStruct(x.shape, jnp.float32),
+        scratch_types=[plgpu.SMEM(x.shape, jnp.float32), plgpu.SMEM(x.shape, jnp.float32),
+                       plgpu.Barrier(num_arrivals=1)],
         compiler_params=plgpu.CompilerParams(approx_math=True),
-        interpret=interpret_params(not ON_GPU, 1), name="pallas_flash_test_softcap_tanh",
+        interpret=interpret_params(not ON_GPU, 1), kernel_name="pallas_flash_test_softcap_tanh",
     )(x)
 
 
