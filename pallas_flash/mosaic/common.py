@@ -92,7 +92,7 @@ def softcap_tanh(x):
     tanh.approx.f32 on the multi-function unit, the unit the softmax's exp2 already keeps busy;
     the exact form 1 - 2 / (2^(2x log2 e) + 1) costs an exp2 and a division there. Its error
     (PTX ISA: 2^-10.987 relative at most) does not show against float32 references at the
-X
+    operands' precision (docs/performance.md, "Variants"); FlashAttention and tokamax use it too.
     In interpret mode it is jnp.tanh's exact value."""
     return jnp.tanh(x)
 
