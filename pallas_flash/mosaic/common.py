@@ -15,7 +15,6 @@ from pallas_flash.masking import with_segment_range
 from pallas_flash.mosaic.schedule import (CLUSTER_AXIS, TileGrid, cluster_tiles,  # noqa: F401
                                          grid_position, launch_head_chunk)
 from pallas_flash.spec import AttentionSpec
-from pallas_flash.stats import LOG2E
 
 
 class InterpretThreadsWarning(UserWarning):
@@ -92,8 +91,8 @@ def softcap_tanh(x):
     tanh.approx.f32 on the multi-function unit, the unit the softmax's exp2 already keeps busy;
     the exact form 1 - 2 / (2^(2x log2 e) + 1) costs an exp2 and a division there. Its error
     (PTX ISA: 2^-10.987 relative at most) does not show against float32 references at the
-    operands' precision (docs/performance.md, "Variants"); FlashAttention and tokamax use it too.
-    In interpret mode it is jnp.tanh's exact value."""
+    operands' precision (docs/performance.md, "Variants"). In interpret mode it is jnp.tanh's
+    exact value."""
     return jnp.tanh(x)
 
 

@@ -54,8 +54,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_flash.mosaic.common import (SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS, softcap_tanh,
-                                       interpret_params, stream_through_slots)
+from pallas_flash.mosaic.common import (SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS, interpret_params,
+                                       softcap_tanh, stream_through_slots)
 from pallas_flash.mosaic.config import SMEM_LIMIT, SMEM_RESERVED, WG_ROWS
 from pallas_flash.mosaic.tiles import accumulate, product
 from pallas_flash.stats import LOG2E
