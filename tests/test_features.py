@@ -323,12 +323,14 @@ CASES = [
            dict(window=(50, 20), ids=shifted_ids(3, 7, 20)))]],
 
     # Head dims between and around 64 / 128 / 256, at the default tiles: the Mosaic kernels'
-    # swizzles and wgmma widths follow the head_dim (column halves of 80-112 above 128). Two
-    # run in interpret mode too; the rest are for the GPU.
+    # swizzles and wgmma widths follow the head_dim; above 128 dK/dV's columns go in two
+    # slices of whole 16s (even halves at 160-256 in steps of 32, 80 + 64 at 144, 128 + 112 at
+    # 240). Three run in interpret mode too; the rest are for the GPU.
     *[case("head-dims", f"d{d}-causal-gqa", (1, 200, 200, 4, 2, d), BF16, causal=True,
-           interpret=d in (96, 192)) for d in (32, 48, 80, 96, 112, 160, 192, 224)],
+           interpret=d in (96, 176, 192))
+      for d in (32, 48, 80, 96, 112, 144, 160, 176, 192, 208, 224, 240)],
     *[case("head-dims", f"d{d}-window-softcap-f16", (2, 136, 100, 2, 1, d), F16,
-           window=(30, 20), softcap=2.5, interpret=False) for d in (80, 160)],
+           window=(30, 20), softcap=2.5, interpret=False) for d in (80, 144, 160, 240)],
 
     # Both passes at every backend's default tiles.
     case("defaults", "gqa-full", (1, 128, 128, 4, 2, 64), BF16),

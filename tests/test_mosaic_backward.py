@@ -123,12 +123,15 @@ def test_paired_dkdv_lowers_for_sm90(dtype, options):
     # lengths folded in) and a length that is neither a multiple of the tiles nor of 8.
     (128, jnp.bfloat16, True, 1001, dict(window=(200, None), softcap=30.0, has_segments=True)),
     (256, jnp.bfloat16, False, 1001, dict(window=(100, 50), softcap=30.0, has_segments=True)),
-    # Between the tuned head dims: 48 and 112 on one dK/dV warpgroup's columns, 160 in halves.
+    # Between the tuned head dims: 48 and 112 on one dK/dV warpgroup's columns, 160 in halves,
+    # 144 and 240 in uneven slices (80 + 64, 128 + 112).
     (48, jnp.float16, True, 1001, dict(window=(200, None))),
     (112, jnp.bfloat16, False, 1024, dict(softcap=30.0)),
     (160, jnp.bfloat16, True, 1001, dict(has_segments=True)),
+    (144, jnp.bfloat16, True, 1001, {}),
+    (240, jnp.float16, False, 1001, dict(softcap=30.0)),
 ], ids=["causal-d64", "full-d256", "all-options-d128", "all-options-d256", "window-d48-f16",
-        "softcap-d112", "segments-d160"])
+        "softcap-d112", "segments-d160", "uneven-d144", "uneven-softcap-d240-f16"])
 def test_lowers_for_sm90(d, dtype, causal, seq, options):
     args = backward_args(2, seq, seq, 4, 2, d, dtype)
     spec = make_spec(seq, seq, d, dtype, causal=causal, interpret=False, **options)
@@ -143,7 +146,7 @@ def test_lowers_for_sm90(d, dtype, causal, seq, options):
 @pytest.mark.parametrize("change,match", [
     (dict(dtype=jnp.float32), "dtype"),
     (dict(d=72), "head_dim"),
-    (dict(d=144), "head_dim"),
+    (dict(d=120), "head_dim"),
     (dict(hq=3, hkv=2), "multiple of kv_heads"),
     (dict(config=Config(dkdv_stages=4)), "shared memory"),
 ])

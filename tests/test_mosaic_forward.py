@@ -132,7 +132,7 @@ def test_staged_kernel_carries_its_name():
 @pytest.mark.parametrize("change,match", [
     (dict(dtype=jnp.float32), "dtype"),
     (dict(d=72), "head_dim"),
-    (dict(d=144), "head_dim"),
+    (dict(d=120), "head_dim"),
     (dict(hq=3, hkv=2), "multiple of kv_heads"),
 ])
 def test_unsupported_raises(change, match):

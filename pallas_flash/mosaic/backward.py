@@ -141,8 +141,9 @@ def _dkdv_body(q_ref, k_ref, v_ref, do_ref, st_ref, q_ids_ref, kv_ids_ref, cta_s
     splits = cfg.dkdv_col_splits(head_dim)
     row_tiles = wgs // splits
     cta_rows = row_tiles * WG_ROWS
-    # Each split's columns of dK (and Q) and of dV (and dO).
-    cols_k, cols_v = head_dim // splits, head_dim_v // splits
+    # Each split's columns of dK (and Q) and of dV (and dO): (first, count).
+    k_slices = cfg.dkdv_col_slices(head_dim, splits)
+    v_slices = cfg.dkdv_col_slices(head_dim_v, splits)
     c = logit_scale(spec) * LOG2E
     # Keys past seq_kv exist only in a partial 64-row tile, which then needs the mask.
     kv_len = mask.seq_kv if mask.seq_kv % WG_ROWS else None
@@ -159,7 +160,7 @@ def _dkdv_body(q_ref, k_ref, v_ref, do_ref, st_ref, q_ids_ref, kv_ids_ref, cta_s
 
     def compute(split: int, row_tile):
         plgpu.set_max_registers(cfg.compute_registers, action="increase")
-        col_k, col_v = split * cols_k, split * cols_v
+        (col_k, cols_k), (col_v, cols_v) = k_slices[split], v_slices[split]
         key0 = kv_start + row_tile * WG_ROWS
         bounds = mask.q_blocks(key0, WG_ROWS, block_q, mask.seq_kv, mask.seq_q)
         kv_ids = None

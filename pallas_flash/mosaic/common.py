@@ -56,8 +56,8 @@ def interpret_params(interpret: bool, threads: int, zero_memory: bool = False):
     return plgpu.InterpretGPUParams(uninitialized_memory="zero" if zero_memory else "nan")
 
 # Multiples of 16 (a wgmma K step, and 32-byte rows for TMA) from 32 to 256; above 128 the
-# dK/dV kernel splits the columns in two, so there multiples of 32 (halves of whole 16s).
-SUPPORTED_HEAD_DIMS = tuple(d for d in range(32, 257, 16) if d <= 128 or d % 32 == 0)
+# dK/dV kernel splits the columns in two slices of whole 16s (80 + 64 at 144).
+SUPPORTED_HEAD_DIMS = tuple(range(32, 257, 16))
 SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 

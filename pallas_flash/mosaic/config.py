@@ -299,9 +299,18 @@ class MosaicBackwardConfig:
 
     @staticmethod
     def dkdv_col_splits(head_dim: int) -> int:
-        """Column slices of dK/dV per 64 key rows: 2 at head_dim 256 (two 64 x 256 float32
+        """Column slices of dK/dV per 64 key rows: 2 above head_dim 128 (two 64 x 256 float32
         accumulators exceed a warpgroup's registers), else 1."""
         return 2 if head_dim > 128 else 1
+
+    @staticmethod
+    def dkdv_col_slices(width: int, splits: int) -> tuple[tuple[int, int], ...]:
+        """(first column, columns) of each of `splits` slices of `width` columns (dK's or
+        dV's): whole 16s, a wgmma step, so at 144 the halves are 80 and 64."""
+        if splits == 1:
+            return ((0, width),)
+        first = -(-width // 32) * 16
+        return ((0, first), (first, width - first))
 
     @staticmethod
     def dkdv_compute_wgs() -> int:
