@@ -110,6 +110,23 @@ def test_default_cluster(d, causal, has_segments, interpret, expected):
     assert default_forward_config(d).cluster == 1
 
 
+@pytest.mark.parametrize("d,causal,expected", [
+    (80, False, (192, 2, 2)), (96, False, (192, 2, 2)),    # every tile streams every key
+    (80, True, (128, 2, 1)), (96, True, (128, 2, 1)),
+    (112, False, (128, 3, 2)), (112, True, (128, 3, 1)),   # a third slot fits at 112
+    (128, False, (128, 2, 2)), (128, True, (128, 2, 1)),
+    (144, False, (128, 2, 1)), (160, True, (128, 2, 1)), (176, False, (128, 2, 1)),
+    (192, False, (64, 2, 1)), (240, True, (64, 2, 1)), (256, False, (64, 2, 1)),
+])
+def test_default_forward_tiles_between_tuned_head_dims(d, causal, expected):
+    """(block_kv, stages, cluster) of a compiled call past the persistent forward's key
+    length (docs/tuning.md has the sweep behind each), and every tile fits shared memory."""
+    spec = make_spec(2048, 2048, d, jnp.bfloat16, causal=causal, interpret=False)
+    cfg = default_forward_config(d, spec)
+    assert (cfg.block_kv, cfg.stages, cfg.cluster) == expected
+    assert cfg.smem_bytes(d) <= SMEM_LIMIT
+
+
 @pytest.mark.parametrize("d,sq,skv,opts,expected", [
     (128, 1024, 1024, {}, True),
     (128, 4096, 1000, {}, True),                      # the key length decides

@@ -196,10 +196,21 @@ def default_forward_config(head_dim: int, spec: AttentionSpec | None = None
             # store under the next item's K / V stream, which a launch per tile cannot.
             return MosaicForwardConfig(block_q=64, block_kv=128, stages=2, pingpong=False,
                                        overlap=True, persistent=True)
-        # The largest two-slot block that fits, with the softmax overlapping P V.
+        clusters = _clusters_pay(spec)
+        if head_dim <= 96 and clusters:
+            # Every tile streams every key: 192-key blocks halve the steps per key. Under a
+            # causal bound the diagonal block's masked half costs more than that saves.
+            return MosaicForwardConfig(block_q=64, block_kv=192, stages=2, pingpong=False,
+                                       overlap=True, cluster=2)
+        # The largest block whose two slots fit at head_dim 128, with the softmax overlapping
+        # P V; at 112 a third slot fits too and keeps the copies further ahead.
+        return MosaicForwardConfig(block_q=64, block_kv=128, stages=3 if head_dim == 112 else 2,
+                                   pingpong=False, overlap=True, cluster=2 if clusters else 1)
+    if head_dim <= 176:
+        # Two slots of 128 keys still fit: half the steps of 64-key blocks.
         return MosaicForwardConfig(block_q=64, block_kv=128, stages=2, pingpong=False,
-                                   overlap=True, cluster=2 if _clusters_pay(spec) else 1)
-    # head_dim 256: 64 keys keep two K / V slots in shared memory.
+                                   overlap=True)
+    # Up to head_dim 256: 64 keys keep two K / V slots in shared memory.
     return MosaicForwardConfig(block_q=64, block_kv=64, stages=2, pingpong=False, overlap=True)
 
 
