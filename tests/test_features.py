@@ -331,8 +331,8 @@ CASES = [
       for d in (32, 48, 80, 96, 112, 144, 160, 176, 192, 208, 224, 240)],
     *[case("head-dims", f"d{d}-window-softcap-f16", (2, 136, 100, 2, 1, d), F16,
            window=(30, 20), softcap=2.5, interpret=False) for d in (80, 144, 160, 240)],
-    # Without a position mask, compiled: 192-key blocks at 80 and 96, three stages at 112,
-    # each in clusters of two.
+    # Without a position mask, compiled: 192-key blocks at 96, three stages at 112, each in
+    # clusters of two.
     *[case("head-dims", f"d{d}-full-gqa", (2, 200, 456, 4, 2, d), BF16, interpret=False)
       for d in (80, 96, 112)],
 

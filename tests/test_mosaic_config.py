@@ -111,7 +111,7 @@ def test_default_cluster(d, causal, has_segments, interpret, expected):
 
 
 @pytest.mark.parametrize("d,causal,expected", [
-    (80, False, (192, 2, 2)), (96, False, (192, 2, 2)),    # every tile streams every key
+    (80, False, (128, 2, 2)), (96, False, (192, 2, 2)),    # every tile streams every key
     (80, True, (128, 2, 1)), (96, True, (128, 2, 1)),
     (112, False, (128, 3, 2)), (112, True, (128, 3, 1)),   # a third slot fits at 112
     (128, False, (128, 2, 2)), (128, True, (128, 2, 1)),

@@ -197,9 +197,10 @@ def default_forward_config(head_dim: int, spec: AttentionSpec | None = None
             return MosaicForwardConfig(block_q=64, block_kv=128, stages=2, pingpong=False,
                                        overlap=True, persistent=True)
         clusters = _clusters_pay(spec)
-        if head_dim <= 96 and clusters:
-            # Every tile streams every key: 192-key blocks halve the steps per key. Under a
-            # causal bound the diagonal block's masked half costs more than that saves.
+        if head_dim == 96 and clusters:
+            # Every tile streams every key: 192-key blocks halve the steps per key (at 80 they
+            # measured no faster). Under a causal bound the diagonal block's masked half costs
+            # more than that saves.
             return MosaicForwardConfig(block_q=64, block_kv=192, stages=2, pingpong=False,
                                        overlap=True, cluster=2)
         # The largest block whose two slots fit at head_dim 128, with the softmax overlapping
