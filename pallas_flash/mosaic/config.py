@@ -389,7 +389,7 @@ def default_backward_config(head_dim: int) -> MosaicBackwardConfig:
         # Fused: two stages and one dQ slot are all that fit. Two-kernel: 64 x 64, 3 stages.
         return MosaicBackwardConfig(dkdv_block_q=64, dq_block_kv=64, dkdv_stages=3, dq_stages=3,
                                     fused=True)
-    # head_dim 256 (the fused kernel does not fit): one dQ warpgroup (two would need 256 KiB
-    # of shared memory), and the dK/dV kernel paired.
-    return MosaicBackwardConfig(dkdv_block_q=64, dq_block_kv=64, dq_compute_wgs=1,
-                                dkdv_paired=True)
+    # Above 128 the fused kernel does not fit: two kernels, the dK/dV one paired. Two dQ
+    # warpgroups up to head_dim 208; from 224 they would need more shared memory than there is.
+    return MosaicBackwardConfig(dkdv_block_q=64, dq_block_kv=64,
+                                dq_compute_wgs=2 if head_dim <= 208 else 1, dkdv_paired=True)
