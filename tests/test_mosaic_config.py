@@ -159,3 +159,24 @@ def test_backward_config_validation():
         cfg = default_backward_config(d)
         assert cfg.dkdv_smem_bytes(d) <= SMEM_LIMIT
         assert cfg.dq_smem_bytes(d) <= SMEM_LIMIT
+
+
+@pytest.mark.parametrize("d", range(32, 257, 16))
+def test_default_backward_fits_every_head_dim(d):
+    """Every Mosaic head_dim's default backward fits shared memory (with MLA's narrower V
+    too), and dK/dV's column slices are whole 16s (wgmma steps) that tile the width."""
+    cfg = default_backward_config(d)
+    if cfg.fused:
+        assert cfg.fused_smem_bytes(d) <= SMEM_LIMIT
+    splits = cfg.dkdv_col_splits(d)
+    for d_v in sorted({d, min(d, 128), 32}):
+        assert cfg.dkdv_smem_bytes(d, head_dim_v=d_v) <= SMEM_LIMIT
+        assert cfg.dq_smem_bytes(d, head_dim_v=d_v) <= SMEM_LIMIT
+        slices = cfg.dkdv_col_slices(d_v, splits)
+        assert len(slices) == splits and slices[0][0] == 0
+        if splits == 2:
+            assert slices[1][0] == slices[0][1]   # the second starts where the first ends
+        assert sum(n for _, n in slices) == d_v
+        assert all(n > 0 and n % 16 == 0 for _, n in slices)
+    # Two dQ warpgroups wherever they fit: up to 208 (from 224 they would not).
+    assert cfg.dq_compute_wgs == (1 if d > 208 else 2)
