@@ -332,9 +332,9 @@ CASES = [
     *[case("head-dims", f"d{d}-window-softcap-f16", (2, 136, 100, 2, 1, d), F16,
            window=(30, 20), softcap=2.5, interpret=False) for d in (80, 144, 160, 240)],
     # Without a position mask, compiled: 192-key blocks at 96, three stages at 112, each in
-    # clusters of two.
+    # clusters of two; three stages of 64-key blocks at 208.
     *[case("head-dims", f"d{d}-full-gqa", (2, 200, 456, 4, 2, d), BF16, interpret=False)
-      for d in (80, 96, 112)],
+      for d in (80, 96, 112, 208)],
 
     # Both passes at every backend's default tiles.
     case("defaults", "gqa-full", (1, 128, 128, 4, 2, 64), BF16),

@@ -116,7 +116,8 @@ def test_default_cluster(d, causal, has_segments, interpret, expected):
     (112, False, (128, 3, 2)), (112, True, (128, 3, 1)),   # a third slot fits at 112
     (128, False, (128, 2, 2)), (128, True, (128, 2, 1)),
     (144, False, (128, 2, 1)), (160, True, (128, 2, 1)), (176, False, (128, 2, 1)),
-    (192, False, (64, 2, 1)), (240, True, (64, 2, 1)), (256, False, (64, 2, 1)),
+    (192, False, (64, 2, 1)), (208, True, (64, 3, 1)),     # a third slot fits at 208
+    (224, False, (64, 2, 1)), (240, True, (64, 2, 1)), (256, False, (64, 2, 1)),
 ])
 def test_default_forward_tiles_between_tuned_head_dims(d, causal, expected):
     """(block_kv, stages, cluster) of a compiled call past the persistent forward's key
