@@ -182,3 +182,25 @@ def test_a_case_in_another_dtype_is_a_row_of_its_own():
     assert len(rows) == 2
     assert "(fp16)" not in rows[0] and "| 0.900 |" in rows[0]
     assert rows[1].startswith("| 2 × 8192 × 16 × 16 × 128 (fp16) |") and "| 0.940 |" in rows[1]
+
+
+def test_speed_targets_count_rows_and_name_the_misses():
+    """Under the speed table: rows meeting each target, the misses by name, and tokamax only
+    where its row and ours come from one run."""
+    def pair(case, causal, ours_ms, cudnn_ms, tokamax_ms=None):
+        rows = [dict(_row(case, causal, "pallas_flash", *ours_ms),
+                     fwd_vs_cudnn=cudnn_ms[0] / ours_ms[0], bwd_vs_cudnn=cudnn_ms[1] / ours_ms[1]),
+                _row(case, causal, "cudnn", *cudnn_ms)]
+        if tokamax_ms:
+            rows.append(_row(case, causal, "tokamax", *tokamax_ms))
+        return rows
+    old = {"meta": META, "results": pair("2x8192x8x8x64", True, (1.0, 3.0), (1.2, 3.3),
+                                         (0.9, 3.5))}
+    new = {"meta": META, "results": (pair("2x8192x8x8x256", True, (1.0, 3.0), (1.04, 2.9),
+                                          (1.1, 2.8))
+                                     + pair("2x8192x8x8x64", True, (1.0, 3.0), (1.2, 3.3)))}
+    text = report.markdown_speed([("a.json", old), ("b.json", new)])
+    assert "forward at least 1.05× cuDNN: 1 of 2 rows; short: 2 × 8192 × 8 × 8 × 256 causal (1.040×)" in text
+    assert "backward at least 1.00× cuDNN: 1 of 2 rows; short: 2 × 8192 × 8 × 8 × 256 causal (0.967×)" in text
+    # The head_dim 64 row was measured again without tokamax: its older tokamax row does not count.
+    assert "same run: 0 of 1 rows; short (tokamax's time over ours): 2 × 8192 × 8 × 8 × 256 causal (bwd 0.933×)" in text
