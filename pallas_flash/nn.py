@@ -5,9 +5,10 @@
 Same parameters, shapes, defaults and results as `jax.nn.dot_product_attention` (jax 0.11), with
 `implementation=None` meaning "our Pallas kernels where they can serve the call, XLA where they
 cannot", plus tokamax's `logits_soft_cap`. A dense boolean `mask` is served by the kernels when
-it is causal, padding, packed segments or a product of these (`_recognise` derives the segment
-ids from the mask and checks them against it); everything else the kernels do not implement is
-handed to XLA, with a warning, once per process, that XLA materialises the T x S logits.
+it is causal, padding, packed segments or a product of these (`dense_mask.recognise` derives
+the segment ids from the mask and checks them against it); everything else the kernels do not
+implement is handed to XLA (`xla_attention.py`), with a warning, once per process, that XLA
+materialises the T x S logits.
 """
 
 from __future__ import annotations
@@ -23,10 +24,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from pallas_flash import dense_mask, xla_attention
 from pallas_flash.attention import flash_attention
 from pallas_flash.config import FlashConfig
-from pallas_flash.masking import PAD_KEY_ID, PAD_QUERY_ID, make_mask_spec
-from pallas_flash.sinks import apply_sinks, check_sinks
+from pallas_flash.sinks import check_sinks
 from pallas_flash.validation import MAX_HEAD_DIM
 
 __all__ = ["dot_product_attention", "IMPLEMENTATIONS", "FallbackWarning"]
@@ -37,13 +38,6 @@ IMPLEMENTATIONS = (None, "pallas", "xla", "cudnn")
 
 _KERNEL_DTYPES = tuple(jnp.dtype(d) for d in (jnp.bfloat16, jnp.float16, jnp.float32))
 
-# What `_recognise` finds a mask to be: the branch of the run-time switch that serves it.
-_PLAIN, _CAUSAL, _FALLBACK = 0, 1, 2
-# The XLA fallback for a mask works through the queries in chunks of at most this many float32
-# logits, or of a quarter of the mask's [B, T, S] elements (as many bytes as the mask), whichever
-# is larger: under jit the fallback is a branch of a switch, and XLA reserves the memory of
-# every branch, taken or not.
-_FALLBACK_CHUNK_ELEMENTS = 2**22
 _UNRECOGNISED_MASK = "a mask that is not causal, padding, packed segments or their product"
 
 
@@ -70,7 +64,7 @@ def _warn_fallback(reasons: dict[str, str], *, stacklevel: int = 3) -> None:
 
 def _warn_mask_fallback_at_run_time(branch) -> None:
     # Under vmap, a batched switch index reaches here for every element, taken or not.
-    if np.any(np.asarray(branch) == _FALLBACK):
+    if np.any(np.asarray(branch) == dense_mask.FALLBACK):
         _warn_fallback({"mask": _UNRECOGNISED_MASK + ", found at run time"})
 
 
@@ -359,21 +353,22 @@ def dot_product_attention(
         return finish(*kernels(is_causal, None, None, q_lengths, kv_lengths))
 
     def fallback(q_lengths, kv_lengths):
-        return _xla_masked_attention(
+        return xla_attention.masked_attention(
             q4, k4, v4, mask4, causal=is_causal, window=window, q_lengths=q_lengths,
             kv_lengths=kv_lengths, scale=scale, softcap=softcap, sinks=sinks,
             return_residual=return_residual,
         )
 
-    recognise = functools.partial(_recognise, batch=batch, seq_q=seq_q, seq_kv=seq_kv,
+    recognise = functools.partial(dense_mask.recognise, batch=batch, seq_q=seq_q, seq_kv=seq_kv,
                                   is_causal=is_causal, window=window)
     if not any(isinstance(x, jax.core.Tracer) for x in (mask4, q_lengths, kv_lengths)):
         # A concrete mask: decide now, and compile only the path that serves it.
         with jax.ensure_compile_time_eval():
             q_ids, kv_ids, branch = recognise(mask4, q_lengths, kv_lengths)
             branch = int(branch)
-        if branch != _FALLBACK:
-            return finish(*kernels(is_causal or branch == _CAUSAL, q_ids, kv_ids, None, None))
+        if branch != dense_mask.FALLBACK:
+            causal = is_causal or branch == dense_mask.CAUSAL
+            return finish(*kernels(causal, q_ids, kv_ids, None, None))
         if implementation == "pallas":
             raise ValueError(f"implementation='pallas' cannot serve this call "
                              f"({_UNRECOGNISED_MASK}); use implementation=None to let XLA "
@@ -403,7 +398,7 @@ def dot_product_attention(
 
     if is_causal:  # the mask is checked within the causal region: one kernel variant serves
         branches = [kernel_branch(True), fallback_branch]
-        index = (branch == _FALLBACK).astype(jnp.int32)
+        index = (branch == dense_mask.FALLBACK).astype(jnp.int32)
     else:
         branches = [kernel_branch(False), kernel_branch(True), fallback_branch]
         index = branch
@@ -498,7 +493,7 @@ def _static_scale_ok(scale) -> bool:
 
 def _unsupported(dtype, head_dim, bias, scale, window) -> dict[str, str]:
     """Why the kernels cannot serve a call, by reason; empty when they can. (A mask is judged
-    separately, by `_recognise`.)"""
+    separately, by `dense_mask.recognise`.)"""
     reasons = {}
     if bias is not None:
         reasons["bias"] = "a dense bias"
@@ -514,145 +509,3 @@ def _unsupported(dtype, head_dim, bias, scale, window) -> dict[str, str]:
     if window is not None and min(window) < 0:
         reasons["window"] = f"local_window_size {window} with a negative side"
     return reasons
-
-
-def _allowed(q_pos, k_pos, *, is_causal, window, seq_q, seq_kv, q_lengths, kv_lengths):
-    """What the structured options let query q_pos see of key k_pos: a boolean array
-    broadcastable to [B, 1, len(q_pos), len(k_pos)], or None when they allow everything."""
-    allowed = make_mask_spec(seq_q, seq_kv, causal=is_causal, window=window).visible(q_pos, k_pos)
-    allowed = None if allowed is None else allowed[None, None]
-    for pos, lengths in ((q_pos, q_lengths), (k_pos, kv_lengths)):
-        if lengths is not None:
-            inside = pos[None, None] < lengths[:, None, None, None]
-            allowed = inside if allowed is None else allowed & inside
-    return allowed
-
-
-@functools.partial(jax.jit, static_argnames=("batch", "seq_q", "seq_kv", "is_causal", "window"))
-def _recognise(mask, q_lengths, kv_lengths, *, batch, seq_q, seq_kv, is_causal, window):
-    """Segment ids under which the kernels see what jax.nn would, and the kernel that serves.
-
-    jax.nn lets query t see key s when E[b, n, t, s] = mask and the structured options (causal,
-    window, lengths) all allow it. Each row's id is the index of its first visible key; each
-    column's is the id of the first row that sees it; a row or column that sees nothing gets
-    the padding id the kernels use for lengths (masking.fold_lengths), which matches nothing.
-    These are the ids of the segments when the mask has that structure, so the check below,
-    that the kernels' rule, (s <= t, for the causal kernel) and id[t] == id[s] and the
-    structured options, equals E at every element, holds exactly when it does. The ids are
-    read off the mask within the causal rule and the lengths but not within the window, which
-    would move a row's first visible key off its segment's first key.
-
-    Returns int32 q_ids [batch, seq_q], kv_ids [batch, seq_kv] and the branch: _CAUSAL or
-    _PLAIN (the kernels with causal on or off serve the call) or _FALLBACK.
-    """
-    q_pos = jnp.arange(seq_q, dtype=jnp.int32)[:, None]
-    k_pos = jnp.arange(seq_kv, dtype=jnp.int32)[None, :]
-    allowed_options = functools.partial(_allowed, q_pos, k_pos, is_causal=is_causal, seq_q=seq_q,
-                                        seq_kv=seq_kv, q_lengths=q_lengths,
-                                        kv_lengths=kv_lengths)
-    allowed = allowed_options(window=window)
-    mask = jnp.broadcast_to(mask, (*mask.shape[:2], seq_q, seq_kv))
-    visible = mask if allowed is None else mask & allowed
-    if window is not None:
-        within = allowed_options(window=None)
-        mask = mask if within is None else mask & within
-    else:
-        mask = visible
-    seen = jnp.any(mask, axis=1)                                     # [B or 1, T, S]
-    q_ids = jnp.where(jnp.any(seen, axis=2), jnp.argmax(seen, axis=2).astype(jnp.int32),
-                      jnp.int32(PAD_QUERY_ID))
-    first_row = jnp.argmax(seen, axis=1)
-    kv_ids = jnp.where(jnp.any(seen, axis=1), jnp.take_along_axis(q_ids, first_row, axis=1),
-                       jnp.int32(PAD_KEY_ID))
-    implied = q_ids[:, :, None] == kv_ids[:, None, :]
-    if allowed is not None:
-        implied = implied & allowed[:, 0]
-    plain_ok = jnp.all(visible == implied[:, None])
-    causal_ok = jnp.all(visible == (implied & (k_pos <= q_pos))[:, None])
-    branch = jnp.where(causal_ok, _CAUSAL, jnp.where(plain_ok, _PLAIN, _FALLBACK))
-    return (jnp.broadcast_to(q_ids, (batch, seq_q)), jnp.broadcast_to(kv_ids, (batch, seq_kv)),
-            branch.astype(jnp.int32))
-
-
-def _chunk_rows(batch, heads, seq_q, seq_kv) -> int:
-    """Query rows per chunk of the mask fallback: a power of two, or all of them."""
-    budget = max(_FALLBACK_CHUNK_ELEMENTS, batch * seq_q * seq_kv // 4)
-    rows = max(1, budget // (batch * heads * seq_kv))
-    return seq_q if rows >= seq_q else 1 << (rows.bit_length() - 1)
-
-
-def _xla_masked_attention(q, k, v, mask, *, causal, window, q_lengths, kv_lengths, scale,
-                          softcap, return_residual, sinks=None):
-    """Attention with a dense mask in XLA, jax.nn's arithmetic, a chunk of queries at a time.
-
-    q, k: [B, T, N, H], [B, S, K, H]; v: [B, S, K, H_v]; mask: [B|1, N|1, T|1, S|1]. Each chunk is
-    rematerialised in the backward pass, so neither pass holds more than one chunk's logits.
-    Returns (out,) or (out, residual [B, T, N] in k's dtype, gradient stopped).
-    """
-    batch, seq_q, heads, _ = q.shape
-    seq_kv = k.shape[1]
-    rows = _chunk_rows(batch, heads, seq_q, seq_kv)
-    chunks = -(-seq_q // rows)
-    pad = chunks * rows - seq_q
-    if pad:
-        q = jnp.pad(q, ((0, 0), (0, pad), (0, 0), (0, 0)))
-        if mask.shape[2] != 1:
-            mask = jnp.pad(mask, ((0, 0), (0, 0), (0, pad), (0, 0)))
-
-    def chunk(start):
-        qc = lax.dynamic_slice_in_dim(q, start, rows, axis=1)
-        mc = mask if mask.shape[2] == 1 else lax.dynamic_slice_in_dim(mask, start, rows, axis=2)
-        q_pos = start + jnp.arange(rows, dtype=jnp.int32)[:, None]
-        k_pos = jnp.arange(seq_kv, dtype=jnp.int32)[None, :]
-        allowed = _allowed(q_pos, k_pos, is_causal=causal, window=window, seq_q=seq_q,
-                           seq_kv=seq_kv, q_lengths=q_lengths, kv_lengths=kv_lengths)
-        visible = mc if allowed is None else mc & allowed
-        return _xla_rows(qc, k, v, visible, scale=scale, softcap=softcap)
-
-    if chunks == 1:
-        out, lse = chunk(0)
-    else:
-        out, lse = lax.map(jax.checkpoint(chunk), jnp.arange(chunks, dtype=jnp.int32) * rows)
-        out = jnp.moveaxis(out, 0, 1).reshape(batch, chunks * rows, *out.shape[3:])
-        lse = jnp.moveaxis(lse, 0, 1).reshape(batch, chunks * rows, heads)
-    out, lse = out[:, :seq_q], lse[:, :seq_q]
-    if sinks is not None:
-        out, lse = apply_sinks(out, lse, sinks, heads_axis=2)
-    if not return_residual:
-        return (out,)
-    return out, lax.stop_gradient(lse.astype(k.dtype))
-
-
-def _xla_rows(q, k, v, visible, *, scale, softcap):
-    """softmax(cap(scale * q k^T), visible) v for q [B, C, N, H], v [B, S, K, H_v], visible
-    [B|1, N|1, C, S].
-
-    jax.nn's arithmetic (float32 logits and softmax, masked logits set to a large negative
-    number, P cast to v's dtype), except that a row that sees no key gives 0 and lse -inf.
-    Returns out [B, C, N, H_v] in q's dtype and lse [B, C, N] float32.
-    """
-    batch, rows, heads, head_dim = q.shape
-    kv_heads = k.shape[2]
-    group = heads // kv_heads
-    compute = jnp.promote_types(q.dtype, jnp.float32)
-    qg = q.reshape(batch, rows, kv_heads, group, head_dim).astype(compute)
-    logits = jnp.einsum("bckgh,bskh->bkgcs", qg, k.astype(compute))
-    logits = logits * (1.0 / math.sqrt(head_dim) if scale is None else scale)
-    if softcap is not None:
-        logits = softcap * jnp.tanh(logits / softcap)
-    vis_batch, vis_heads = visible.shape[:2]
-    if vis_heads == 1:
-        visible = visible[:, :, None]                                # [B|1, 1, 1, C, S]
-    else:
-        visible = visible.reshape(vis_batch, kv_heads, group, *visible.shape[2:])
-    large_negative = -0.7 * float(jnp.finfo(jnp.float32).max)
-    logits = jnp.where(visible, logits, large_negative)
-    seen = jnp.any(visible, axis=-1)                                 # [B|1, K|1, G|1, C]
-    lse = jax.nn.logsumexp(logits, axis=-1)
-    probs = jnp.exp(logits - lse[..., None]).astype(v.dtype)
-    out = jnp.einsum("bkgcs,bskh->bckgh", probs, v).astype(compute)
-    out_seen = jnp.moveaxis(seen, -1, 1)[..., None]                  # [B|1, C, K|1, G|1, 1]
-    out = jnp.where(out_seen, out, 0.0).astype(q.dtype).reshape(batch, rows, heads, v.shape[-1])
-    lse = jnp.where(seen, lse, -jnp.inf)
-    lse = jnp.broadcast_to(lse, (batch, kv_heads, group, rows))
-    return out, jnp.moveaxis(lse.reshape(batch, heads, rows), 1, 2)

@@ -19,6 +19,7 @@ import pytest
 
 import pallas_flash as pf
 import pallas_flash.nn as pf_nn
+from pallas_flash import xla_attention
 from helpers import TOLERANCE, assert_close, random_inputs
 
 # (batch, seq_q, seq_kv, q_heads, kv_heads, head_dim): seq_q < seq_kv keeps every query row of
@@ -610,8 +611,8 @@ def test_unserved_mask_falls_back_and_warns_once(chunked, kernel_calls, monkeypa
     # A sliding window given as a mask (the kernels take it only as local_window_size).
     # Chunked: the fallback takes 8 query rows at a time (20 rows: the last chunk padded).
     if chunked:
-        monkeypatch.setattr(pf_nn, "_FALLBACK_CHUNK_ELEMENTS", 8 * 2 * 4 * 24)
-        assert pf_nn._chunk_rows(2, 4, 20, 24) == 8
+        monkeypatch.setattr(xla_attention, "FALLBACK_CHUNK_ELEMENTS", 8 * 2 * 4 * 24)
+        assert xla_attention.chunk_rows(2, 4, 20, 24) == 8
     q, k, v, do = _inputs()
     mask = _window_mask(20, 24, 3)
     with pytest.warns(pf_nn.FallbackWarning, match=r"falls back to XLA \(a mask that is not "
