@@ -7,6 +7,17 @@
 set -o pipefail
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 export PYTHONPATH="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)${PYTHONPATH:+:$PYTHONPATH}"
+# Comparators a machine without a package index lacks (tokamax and the pure-Python wheels it
+# needs): wheels in a .whl/ folder at the repository root are installed once into a folder of
+# their own, put first on the path with .whl/stubs (modules imported but never called). Without
+# the folder, rows of a comparator that is not installed say so.
+_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+if compgen -G "$_root/.whl/*.whl" > /dev/null; then
+  _site=${EXTRA_SITE:-/tmp/pallas_flash_extra_site}
+  [ -d "$_site" ] || python3 -m pip install -q --no-index --no-deps --no-compile \
+    --target "$_site" "$_root"/.whl/*.whl || echo "gpu_common.sh: installing .whl/ failed" >&2
+  export PYTHONPATH="$_site:$_root/.whl/stubs:$PYTHONPATH"
+fi
 OUT=${OUT:-$(mktemp -d /tmp/pallas_flash_gpu.XXXXXX)}
 RESULTS="$OUT/results"
 mkdir -p "$RESULTS"
