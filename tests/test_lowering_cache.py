@@ -1,7 +1,8 @@
-"""pallas_flash/mosaic/lowering_cache.py: with JAX's compilation cache on, a Mosaic kernel's
-lowering is written once and read back by later lowerings, and the program is the same text
-either way (so JAX's own cache finds it). Lowered for sm_90 on any machine, as in
-test_lowering.py; each lowering here runs afresh (jax.clear_caches), as in a new process."""
+"""pallas_flash/mosaic/lowering_cache.py: a Mosaic kernel is lowered once per process, and,
+with JAX's compilation cache on, written once and read back by later processes; the program is
+the same text either way (so JAX's own cache and Mosaic GPU's kernel cache find it). Lowered
+for sm_90 on any machine, as in test_lowering.py; `_lower` clears every cache of the process
+(jax.clear_caches), as a new process starts."""
 
 from __future__ import annotations
 
@@ -34,12 +35,14 @@ def cache_dir(tmp_path, monkeypatch):
     jax.clear_caches()
 
 
-def _lower(causal=True, seq=512):
-    """The program text of a jitted forward+backward step, lowered afresh for sm_90."""
-    jax.clear_caches()
+def _lower(causal=True, seq=512, fresh=True):
+    """The program text of a jitted forward+backward step, lowered for sm_90; `fresh`: after
+    clearing the process's caches, as in a new process."""
+    if fresh:
+        jax.clear_caches()
     x = jax.ShapeDtypeStruct((1, seq, 2, 64), jnp.bfloat16)
 
-    def step(q, k, v, do):
+    def step(q, k, v, do):   # a new function each call: JAX's own caches cannot answer
         def attend(q, k, v):
             return pf.flash_attention(q, k, v, causal=causal, backend="mosaic", interpret=False)
         return jax.vjp(attend, q, k, v)[1](do)
@@ -122,3 +125,76 @@ def test_off_without_compilation_cache_or_when_switched_off(cache_dir, monkeypat
     assert lowering_cache.directory() is None
     _lower()
     assert not cache_dir.exists()
+
+
+@pytest.fixture
+def no_cache_dir(monkeypatch):
+    """Hopper lowering with JAX's compilation cache off: the in-process layer alone."""
+    monkeypatch.setattr(attention, "_is_sm90", lambda: True)
+    monkeypatch.setattr(attention, "_capability", lambda: "9.0")
+    monkeypatch.delenv(lowering_cache.ENV_SWITCH, raising=False)
+    before = jax.config.jax_compilation_cache_dir
+    jax.config.update("jax_compilation_cache_dir", None)
+    yield
+    jax.config.update("jax_compilation_cache_dir", before)
+    jax.clear_caches()
+
+
+def _count_lowerings(monkeypatch) -> list:
+    """Calls of the lowering below the cache, appended to the returned list."""
+    from jax._src.pallas.mosaic_gpu import lowering
+    calls, inner = [], lowering.lower_jaxpr_to_module
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return inner(*args, **kwargs)
+    monkeypatch.setattr(lowering, "lower_jaxpr_to_module", counted)
+    return calls
+
+
+def test_a_process_lowers_each_kernel_once(no_cache_dir, monkeypatch):
+    """A second program with the same kernels (an evaluation step, a function jitted again)
+    reuses their lowering without the compilation cache, and gets the same program text:
+    lowered afresh, the kernels' modules and hashes differ, so Mosaic GPU compiles them again."""
+    calls = _count_lowerings(monkeypatch)
+    first = _lower()
+    assert len(calls) == 2                       # the forward and the fused backward
+    assert _lower(fresh=False) == first
+    assert len(calls) == 2
+    _lower(causal=False, fresh=False)            # other kernels: lowered
+    assert len(calls) == 4
+    jax.clear_caches()                           # empties this cache too
+    _lower(fresh=False)
+    assert len(calls) == 6
+
+
+def test_switched_off_lowers_every_time(no_cache_dir, monkeypatch):
+    monkeypatch.setenv(lowering_cache.ENV_SWITCH, "0")
+    calls = _count_lowerings(monkeypatch)
+    _lower()
+    _lower(fresh=False)
+    assert len(calls) == 4
+
+
+def test_memory_keeps_the_most_recently_used(monkeypatch):
+    monkeypatch.setattr(lowering_cache, "MEMORY_ENTRIES", 2)
+    memory = lowering_cache._Memory()
+    for key in "abc":
+        memory.put(key, (key.encode(), {}))
+    assert memory.cache_keys() == ["b", "c"]
+    assert memory.get("b") == (b"b", {})         # used: now the most recent
+    memory.put("d", (b"d", {}))
+    assert memory.cache_keys() == ["b", "d"]
+    memory.cache_clear()
+    assert memory.cache_keys() == []
+
+
+def test_an_object_printed_by_identity_is_not_cached():
+    """Its printed address can be another object's later, so it keys nothing."""
+    class Opaque:
+        pass
+    key = lowering_cache.cache_key("mesh", None, "{ lambda ; a:f32[8]. let  in (a,) }", (), (),
+                                   {"callback": Opaque()})
+    assert key is None
+    assert lowering_cache.cache_key("mesh", None, "{ lambda ; a:f32[8]. let  in (a,) }", (), (),
+                                    {"block": 64}) is not None
