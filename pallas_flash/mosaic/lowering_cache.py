@@ -54,7 +54,7 @@ KERNEL_PREFIX = "pallas_flash"
 _SUBDIR = "pallas_flash_lowering"
 _FORMAT = "1"
 # Kernels kept in memory: a program holds a few (a forward, a backward), a process rarely more
-# than a few dozen shapes and option sets; an entry is the module's bytecode, about a megabyte.
+# than a few dozen shapes and option sets; an entry is the module's bytecode, 0.2-0.5 MB.
 MEMORY_ENTRIES = 64
 _installed = False
 
