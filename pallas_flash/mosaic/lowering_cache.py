@@ -41,6 +41,7 @@ import json
 import os
 import re
 import tempfile
+import threading
 
 import jax
 import jaxlib
@@ -66,28 +67,34 @@ class _Memory:
     def __init__(self):
         self.entries: collections.OrderedDict[str, tuple[bytes, dict]] = (
             collections.OrderedDict())
+        # Programs may be lowered on several threads at once.
+        self.lock = threading.Lock()
 
     def get(self, key: str):
-        entry = self.entries.get(key)
-        if entry is not None:
-            self.entries.move_to_end(key)
-        return entry
+        with self.lock:
+            entry = self.entries.get(key)
+            if entry is not None:
+                self.entries.move_to_end(key)
+            return entry
 
     def put(self, key: str, entry: tuple[bytes, dict]) -> None:
-        self.entries[key] = entry
-        self.entries.move_to_end(key)
-        while len(self.entries) > MEMORY_ENTRIES:
-            self.entries.popitem(last=False)
+        with self.lock:
+            self.entries[key] = entry
+            self.entries.move_to_end(key)
+            while len(self.entries) > MEMORY_ENTRIES:
+                self.entries.popitem(last=False)
 
     # The interface JAX's cache registry expects (jax._src.util.register_cache).
     def cache_clear(self) -> None:
-        self.entries.clear()
+        with self.lock:
+            self.entries.clear()
 
     def cache_info(self) -> str:
         return f"{len(self.entries)} of {MEMORY_ENTRIES} kernels"
 
     def cache_keys(self) -> list[str]:
-        return list(self.entries)
+        with self.lock:
+            return list(self.entries)
 
 
 _MEMORY = _Memory()
