@@ -160,7 +160,8 @@ def flash_attention(
       k: [batch, seq_kv, kv_heads, head_dim], same dtype; q_heads must be a multiple of
         kv_heads (GQA; kv_heads = 1 is MQA). K/V are shared in place, never repeated.
       v: [batch, seq_kv, kv_heads, head_dim_v], same dtype: head_dim_v may differ from q and
-        k's head_dim (DeepSeek's MLA: 192 and 128), on the Triton kernels.
+        k's head_dim (DeepSeek's MLA: 192 and 128); the Mosaic kernels take one at most Q/K's,
+        the Triton kernels any.
       causal: query i sees only keys j <= i (top-left alignment, as in
         `jax.nn.dot_product_attention`), or j <= i + seq_kv - seq_q with
         ``causal_alignment="bottom_right"`` (the last query sees every key: decoding, chunked
@@ -183,9 +184,9 @@ def flash_attention(
       config: a `FlashConfig` of Triton tiles; default chosen by head_dim and dtype. Given
         explicitly, "auto" runs the Triton kernels with it.
       backend: "auto", "triton" or "mosaic". "mosaic" runs the Pallas Mosaic GPU kernels for
-        Hopper (sm_90): bfloat16 / float16, head_dim 64, 128 or 256 (V's the same), every mask
-        and option. It
-        raises a ValueError for a call it cannot serve (or on another GPU). "triton" runs the
+        Hopper (sm_90): bfloat16 / float16, head_dim a multiple of 16 from 32 to 256 (V's the
+        same or a smaller such one), every mask and option. It raises a ValueError for a call
+        it cannot serve (or on another GPU). "triton" runs the
         Triton-lowered kernels: any GPU, dtype and head_dim. "auto" (default) runs the Mosaic
         kernels on an sm_90 GPU when they serve the call and `config` is not given, behind a
         finiteness check that sends a call with a NaN or inf operand to the Triton kernels

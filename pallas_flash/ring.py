@@ -197,9 +197,9 @@ def ring_attention(q, k, v, *, mesh: Mesh, axis_name: str, causal: bool = False,
     Args:
       q: [batch, seq, q_heads, head_dim]; k: [batch, seq, kv_heads, head_dim]; v: [batch, seq,
         kv_heads, head_dim_v] (global arrays; self-attention, so one seq). head_dim_v may differ
-        from head_dim (DeepSeek's MLA: 192 and 128), on the Triton kernels, as in
-        `flash_attention`. With layout="zigzag" the seq axis must already be in zig-zag order
-        (`zigzag_permute`); the output then is too.
+        from head_dim (DeepSeek's MLA: 192 and 128), as in `flash_attention`. With
+        layout="zigzag" the seq axis must already be in zig-zag order (`zigzag_permute`); the
+        output then is too.
       mesh: the device mesh; axis_name: the mesh axis that splits the sequence.
       causal: causal self-attention (query i sees keys j <= i, in natural positions).
       layout: "contiguous" (device i holds the i-th of P equal chunks) or "zigzag" (2P chunks,

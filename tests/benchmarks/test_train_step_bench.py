@@ -27,8 +27,10 @@ STEPS = 2
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     out = tmp_path_factory.mktemp("results")
-    # In this process (the default on a CPU); test_child_round_trip covers the child processes.
-    result = main(["--preset", "tiny", "--impls", "pallas_flash,xla,tokamax", "--out", str(out)])
+    # In this process (the default on a CPU, asked for so a GPU run checks the same JSON);
+    # test_child_round_trip covers the child processes.
+    result = main(["--preset", "tiny", "--impls", "pallas_flash,xla,tokamax", "--isolate", "no",
+                   "--out", str(out)])
     (path,) = out.glob("train_step_*.json")
     return result, json.loads(path.read_text())
 
