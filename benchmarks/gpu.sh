@@ -20,7 +20,8 @@
 # Logs go to $OUT/NAME.log and results to $OUT/results (gpu_common.sh). Settings, from the
 # environment: LIMIT, the seconds a job may run (590). suite: WORKERS pytest-xdist workers
 # (default: CPU cores less two) spread over the GPUs, TEST_LIMIT seconds per test (240),
-# MULTI_LIMIT for the multi-device files (300). profile: KERNEL, a regex of the kernel names to
+# MULTI_LIMIT for the multi-device files (300); it writes each test phase's seconds to
+# $OUT/test_times.tsv. profile: KERNEL, a regex of the kernel names to
 # profile (default: every kernel), COUNT kernels profiled (4), METRICS more ncu metrics.
 set -u
 
@@ -39,6 +40,9 @@ suite() {
     for f in "${files[@]}"; do ignore+=(--ignore="$f"); done
   fi
   [ $# -eq 0 ] && set -- tests
+  # Each test phase's seconds, written as it ends (tests/conftest.py), so a run cut short
+  # still shows where its time went.
+  export PALLAS_FLASH_TEST_TIMES=${PALLAS_FLASH_TEST_TIMES:-$OUT/test_times.tsv}
   # tests/conftest.py gives each worker one GPU, in turn.
   [ "$gpus" -gt 1 ] && export PALLAS_FLASH_SPREAD_GPUS=$gpus
   run_logged tests "${LIMIT:-590}" "${pytest[@]}" -n "$workers" "${ignore[@]}" "$@"

@@ -63,6 +63,16 @@ def pytest_configure(config):
                                 f"{jax.default_backend()!r}")
 
 
+def pytest_runtest_logreport(report):
+    """PALLAS_FLASH_TEST_TIMES=PATH: each test phase's seconds appended to PATH as it ends
+    (seconds, phase, outcome, test id; tab-separated), so a run cut by its time limit still
+    shows where its time went. Under pytest-xdist the controller writes every worker's."""
+    path = os.environ.get("PALLAS_FLASH_TEST_TIMES")
+    if path and not _worker:   # a worker's reports reach the controller too
+        with open(path, "a") as f:
+            f.write(f"{report.duration:.2f}\t{report.when}\t{report.outcome}\t{report.nodeid}\n")
+
+
 @pytest.fixture
 def x64():
     with jax.enable_x64(True):
