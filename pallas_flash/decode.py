@@ -170,6 +170,30 @@ def _array(name, x, rank):
     return tuple(x.shape)
 
 
+def _check_pages(block_table, kv_lengths, *, num_pages, page_size, max_len, q_len,
+                 window_left):
+    """When block_table and kv_lengths are concrete (an eager call, or constants under jit):
+    every page a sequence reads is a page of the cache. A page id outside it would have the
+    kernels read memory that is not the cache. The pages read are those that overlap the keys
+    the new tokens see: [kv_length - q_len - window_left, kv_length), or from 0 without a
+    window; other entries may hold anything (a sentinel for a page not allocated)."""
+    if any(isinstance(x, jax.core.Tracer) for x in (block_table, kv_lengths)):
+        return
+    table = np.asarray(block_table)
+    lengths = np.clip(np.asarray(kv_lengths).astype(np.int64), 0, max_len)
+    lo = (np.zeros_like(lengths) if window_left is None
+          else np.maximum(lengths - q_len - window_left, 0))
+    starts = np.arange(table.shape[1]) * page_size
+    read = (starts[None, :] < lengths[:, None]) & (starts[None, :] + page_size > lo[:, None])
+    bad = read & ((table < 0) | (table >= num_pages))
+    if bad.any():
+        b, p = (int(i) for i in np.argwhere(bad)[0])
+        raise ValueError(
+            f"block_table[{b}, {p}] = {table[b, p]} is not a page of the cache (its "
+            f"{num_pages} pages are numbered 0 to {num_pages - 1}), and sequence {b} reads that "
+            f"page (kv_lengths[{b}] = {lengths[b]}, page_size {page_size})")
+
+
 def _validate(q, k_cache, v_cache, kv_lengths, block_table, *, scale, softcap, window, sinks,
               return_lse, num_splits, backend, interpret) -> tuple[DecodePlan, jax.Array | None]:
     """Every check of decode_attention, before anything is traced: (plan, sinks)."""
@@ -221,6 +245,10 @@ def _validate(q, k_cache, v_cache, kv_lengths, block_table, *, scale, softcap, w
         max_len = pages_per_seq * page_size
     if sinks is not None:
         sinks = check_sinks(sinks, q_heads)
+    if block_table is not None:
+        _check_pages(block_table, kv_lengths, num_pages=rows_or_pages, page_size=page_size,
+                     max_len=max_len, q_len=q_len,
+                     window_left=None if opts.window is None else opts.window[0])
     if not isinstance(return_lse, bool):
         raise ValueError(f"return_lse must be a bool, got {return_lse!r}")
     if num_splits is not None and not (_is_int(num_splits) and num_splits >= 1):
@@ -408,7 +436,9 @@ def decode_attention(
         q_len) sees no key: out = 0, lse = -inf.
       block_table: int32 [batch, pages_per_seq]: logical page p of sequence b is physical page
         block_table[b, p] (vLLM, flash_attn_with_kvcache). Entries past a sequence's length
-        are never read.
+        (or before its window) are never read and may hold anything; the pages that are read
+        must be ids in [0, num_pages), a ValueError otherwise when the table and kv_lengths
+        are concrete (under jit their values are not known, and not checked).
       scale: logit multiplier; default 1/sqrt(head_dim).
       softcap: logits become softcap * tanh(logits / softcap).
       window: (left, right) as in flash_attention: a token at position p sees keys >= p - left

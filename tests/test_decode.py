@@ -320,6 +320,57 @@ def test_bad_arguments_raise(change, match):
         pf.decode_attention(q, k, v, **args)
 
 
+def _paged_call(table, kv_lengths, **opts):
+    """decode_attention on a paged cache of 6 pages of 16 keys, 2 sequences of 4 pages."""
+    q = _normal(jax.random.PRNGKey(20), (2, 2, 4, 16), jnp.float32)
+    k, v = (_normal(jax.random.PRNGKey(i), (6, 16, 2, 16), jnp.float32) for i in (21, 22))
+    table = jnp.asarray(table, jnp.int32)
+    lengths = jnp.asarray(kv_lengths, jnp.int32)
+    run = lambda: pf.decode_attention(q, k, v, kv_lengths=lengths, block_table=table,  # noqa: E731
+                                      return_lse=True, **opts)
+    return run, (q, gather_pages(k, jnp.clip(table, 0, 5)), gather_pages(v, jnp.clip(table, 0, 5)),
+                 lengths)
+
+
+@pytest.mark.parametrize("table,kv_lengths,opts,where", [
+    ([[0, 1, 6, -1], [2, 3, 4, 5]], [40, 64], {}, r"block_table\[0, 2\] = 6"),
+    ([[0, 1, 2, 3], [-1, 4, 5, 0]], [33, 20], {}, r"block_table\[1, 0\] = -1"),
+    # The window's keys start at 50 - 2 - 10 = 38, in page 2: page 1 is not read, page 2 is.
+    ([[0, -1, 9, 3], [1, 2, 4, 5]], [50, 64], {"window": (10, 0)}, r"block_table\[0, 2\] = 9"),
+])
+def test_page_outside_the_cache_raises(table, kv_lengths, opts, where):
+    run, _ = _paged_call(table, kv_lengths, **opts)
+    with pytest.raises(ValueError, match=where + r" is not a page of the cache"):
+        run()
+
+
+@pytest.mark.parametrize("table,kv_lengths,opts", [
+    # Entries past a sequence's length, and before its window, hold sentinels: never read.
+    ([[3, 0, -1, 99], [5, 4, 2, 1]], [20, 64], {}),
+    ([[-1, -1, 2, 3], [0, 1, 4, 5]], [60, 17], {"window": (12, 0)}),
+])
+def test_pages_not_read_may_hold_anything(table, kv_lengths, opts):
+    run, (q, k, v, lengths) = _paged_call(table, kv_lengths, **opts)
+    out, lse = run()
+    ref_out, ref_lse = reference(q, k, v, lengths, **opts)
+    check(out, lse, ref_out, ref_lse, jnp.float32)
+
+
+def test_traced_block_table_is_not_read_on_the_host():
+    # Under jit the table's values are unknown when the call is staged: the check stands aside.
+    q = _normal(jax.random.PRNGKey(20), (2, 2, 4, 16), jnp.float32)
+    k_cache, v_cache = (_normal(jax.random.PRNGKey(i), (6, 16, 2, 16), jnp.float32)
+                        for i in (21, 22))
+    table = jnp.asarray([[5, 1, 2, 3], [4, 0, 3, 1]], jnp.int32)
+    lengths = jnp.asarray([57, 30], jnp.int32)
+    step = jax.jit(lambda t, n: pf.decode_attention(q, k_cache, v_cache, kv_lengths=n,
+                                                    block_table=t, return_lse=True))
+    out, lse = step(table, lengths)
+    ref_out, ref_lse = reference(q, gather_pages(k_cache, table), gather_pages(v_cache, table),
+                                 lengths)
+    check(out, lse, ref_out, ref_lse, jnp.float32)
+
+
 def test_auto_runs_triton_in_interpret_mode(monkeypatch):
     chosen = []
     monkeypatch.setattr(decode, "_backend_module",
