@@ -320,16 +320,27 @@ def test_bad_arguments_raise(change, match):
         pf.decode_attention(q, k, v, **args)
 
 
-def _paged_call(table, kv_lengths, **opts):
-    """decode_attention on a paged cache of 6 pages of 16 keys, 2 sequences of 4 pages."""
+NUM_PAGES = 6
+
+
+def _paged_cache():
+    """q for 2 sequences of 2 new tokens, and a paged cache of NUM_PAGES pages of 16 keys."""
     q = _normal(jax.random.PRNGKey(20), (2, 2, 4, 16), jnp.float32)
-    k, v = (_normal(jax.random.PRNGKey(i), (6, 16, 2, 16), jnp.float32) for i in (21, 22))
+    k, v = (_normal(jax.random.PRNGKey(i), (NUM_PAGES, 16, 2, 16), jnp.float32)
+            for i in (21, 22))
+    return q, k, v
+
+
+def _paged_call(table, kv_lengths, **opts):
+    """decode_attention on `_paged_cache` with 4 pages a sequence, and the reference's operands
+    (pages outside the cache clipped into it: those are the entries no sequence reads)."""
+    q, k, v = _paged_cache()
     table = jnp.asarray(table, jnp.int32)
     lengths = jnp.asarray(kv_lengths, jnp.int32)
     run = lambda: pf.decode_attention(q, k, v, kv_lengths=lengths, block_table=table,  # noqa: E731
                                       return_lse=True, **opts)
-    return run, (q, gather_pages(k, jnp.clip(table, 0, 5)), gather_pages(v, jnp.clip(table, 0, 5)),
-                 lengths)
+    pages = jnp.clip(table, 0, NUM_PAGES - 1)
+    return run, (q, gather_pages(k, pages), gather_pages(v, pages), lengths)
 
 
 @pytest.mark.parametrize("table,kv_lengths,opts,where", [
@@ -358,9 +369,7 @@ def test_pages_not_read_may_hold_anything(table, kv_lengths, opts):
 
 def test_traced_block_table_is_not_read_on_the_host():
     # Under jit the table's values are unknown when the call is staged: the check stands aside.
-    q = _normal(jax.random.PRNGKey(20), (2, 2, 4, 16), jnp.float32)
-    k_cache, v_cache = (_normal(jax.random.PRNGKey(i), (6, 16, 2, 16), jnp.float32)
-                        for i in (21, 22))
+    q, k_cache, v_cache = _paged_cache()
     table = jnp.asarray([[5, 1, 2, 3], [4, 0, 3, 1]], jnp.int32)
     lengths = jnp.asarray([57, 30], jnp.int32)
     step = jax.jit(lambda t, n: pf.decode_attention(q, k_cache, v_cache, kv_lengths=n,
