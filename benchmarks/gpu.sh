@@ -43,6 +43,10 @@ suite() {
   # Each test phase's seconds, written as it ends (tests/conftest.py), so a run cut short
   # still shows where its time went.
   export PALLAS_FLASH_TEST_TIMES=${PALLAS_FLASH_TEST_TIMES:-$OUT/test_times.tsv}
+  # XLA's GEMM autotuning times candidate algorithms for every float32 reference a test
+  # compiles, several seconds a test; the kernels under test are Pallas calls, which it never
+  # tunes. Flags set in XLA_FLAGS come after these and win.
+  export XLA_FLAGS="--xla_gpu_autotune_level=0 ${XLA_FLAGS:-}"
   # tests/conftest.py gives each worker one GPU, in turn.
   [ "$gpus" -gt 1 ] && export PALLAS_FLASH_SPREAD_GPUS=$gpus
   run_logged tests "${LIMIT:-590}" "${pytest[@]}" -n "$workers" "${ignore[@]}" "$@"
