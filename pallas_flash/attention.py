@@ -189,7 +189,7 @@ def flash_attention(
         it cannot serve (or on another GPU). "triton" runs the
         Triton-lowered kernels: any GPU, dtype and head_dim. "auto" (default) runs the Mosaic
         kernels on an sm_90 GPU when they serve the call and `config` is not given, behind a
-        finiteness check that sends a call with a NaN or inf operand to the Triton kernels
+        finiteness check that sends a call a NaN or inf operand reaches to the Triton kernels
         (they confine it to the rows that depend on it; see pallas_flash/guarded.py), and the
         Triton kernels otherwise. Every backend saves the same row statistics, so results
         agree to rounding.

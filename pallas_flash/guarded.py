@@ -11,20 +11,28 @@ that really see them. The Mosaic kernels are built for speed and skip that
 work: their products run on the tensor cores straight from shared memory, where a masked-out
 entry still meets its operand as 0 * inf = NaN. In the forward pass only V can leak that way (a
 non-finite q or k entry lands in S, which every mask overwrites); in the backward pass any of q,
-k, v and dO can. So when those operands are all finite, which is every healthy training step,
-the Mosaic kernels run; otherwise the Triton kernels do, and give the exact per-row NaNs.
+k, v and dO can. So when the Mosaic result cannot have been touched by a non-finite value,
+which is every healthy training step, it stands; otherwise the Triton kernels redo the call
+and give the exact per-row NaNs.
 
-Cost: the check reads V in the forward pass, and q, k, v and the preprocess's D in the backward
-pass (D = rowsum(dO * O) - dlse is non-finite wherever dO is: inf * 0 and NaN both give NaN, so
-D stands in for dO at a thousandth of its size; a D that overflows only sends the call to the
-Triton kernels). Then both kernels are launched, the Triton one predicated on the flag
-(triton.common.predicated): when the operands are finite its programs return at once, and its
-outputs, aliased to the Mosaic kernels', keep theirs. No branch, so no host round trip for a
-predicate, and the Mosaic kernels launch at the top level of the program (a `lax.cond` between
-the two costs more, docs/tuning.md). A non-finite operand pays for both kernels. Under
-jax.vmap one flag covers the whole vmapped batch. The benchmark shows the cost as the gap
-between its `pallas_flash` (auto) and `pallas_flash_mosaic` (forced, unchecked) rows.
-``backend="mosaic"`` skips the check.
+The forward checks the Mosaic forward's own result: a leak ends in O, and the kernel marks
+every row whose O holds an inf or NaN with r = NaN (mosaic/forward.py), so the check reads r,
+one float a row, instead of V (head_dim times as many values, and V's read is a pass of its
+own). A row with a non-finite q or k gets r = NaN too and also sends the call to Triton, which
+gives the same NaNs; no healthy row has r = NaN (r is log2 of a positive sum, or -inf for a
+row that sees no key). The backward checks its operands before the Mosaic backward:
+q, k, v and the preprocess's D (D = rowsum(dO * O) - dlse is non-finite wherever dO is:
+inf * 0 and NaN both give NaN, so D stands in for dO at a thousandth of its size; a D that
+overflows only sends the call to the Triton kernels).
+
+Both kernels are launched, the Triton one predicated on the flag (triton.common.predicated):
+when the check passes its programs return at once, and its outputs, aliased to the Mosaic
+kernels', keep theirs. No branch, so no host round trip for a predicate, and the Mosaic
+kernels launch at the top level of the program (a `lax.cond` between the two costs more,
+docs/tuning.md). A failed check pays for both kernels. Under jax.vmap one flag covers the
+whole vmapped batch. The benchmark shows the cost as the gap between its `pallas_flash`
+(auto) and `pallas_flash_mosaic` (forced, unchecked) rows. ``backend="mosaic"`` skips the
+check.
 """
 
 from __future__ import annotations
@@ -50,7 +58,7 @@ def all_finite(*arrays) -> jnp.ndarray:
 
 
 def _predicated(check, fast, safe):
-    """A function of *args: fast(*args), then safe(skip=check(*args), into=fast's result,
+    """A function of *args: into = fast(*args), then safe(skip=check(into, *args), into,
     *args), which keeps fast's result when the check passes.
 
     Under vmap the rule takes one flag for the whole vmapped batch: a per-example flag would
@@ -61,27 +69,29 @@ def _predicated(check, fast, safe):
 
     @custom_batching.custom_vmap
     def run(*args):
-        return safe(check(*args), fast(*args), *args)
+        into = fast(*args)
+        return safe(check(into, *args), into, *args)
 
     @run.def_vmap
     def _batched(axis_size, in_batched, *args):
         del axis_size
         in_axes = tuple(jax.tree.map(lambda b: 0 if b else None, in_batched))
         into = jax.vmap(fast, in_axes=in_axes)(*args)
-        out = jax.vmap(safe, in_axes=(None, 0) + in_axes)(check(*args), into, *args)
+        out = jax.vmap(safe, in_axes=(None, 0) + in_axes)(check(into, *args), into, *args)
         return out, jax.tree.map(lambda _: True, out)
 
     return run
 
 
 def forward(spec: AttentionSpec, q, k, v, q_ids=None, kv_ids=None, sinks=None):
-    """(O, RowStats): the Mosaic forward's when V is finite, else the Triton forward's.
+    """(O, RowStats): the Mosaic forward's when no row of it has r = NaN, else the Triton
+    forward's.
 
     The Mosaic forward takes its own default tiles (clusters of two where they pay,
     `mosaic.forward.default_forward_config`): it launches outside any branch.
     """
     return _predicated(
-        lambda q, k, v, *_: all_finite(v),
+        lambda into, *_: ~jnp.isnan(into[1].r).any(),
         lambda *a: mosaic_forward.forward(spec, *a),
         lambda skip, into, *a: triton_forward.forward(spec, *a, skip=skip, into=into),
     )(q, k, v, q_ids, kv_ids, sinks)
@@ -107,5 +117,5 @@ def backward(spec: AttentionSpec, q, k, v, out, stats, do, dlse, q_ids=None, kv_
         return triton_backward.backward(spec, q, k, v, out, stats, do, dlse, q_ids, kv_ids,
                                         delta=delta, skip=skip, into=into)
 
-    return _predicated(lambda q, k, v, *rest: all_finite(q, k, v, rest[-1]), fast, safe)(
+    return _predicated(lambda into, q, k, v, *rest: all_finite(q, k, v, rest[-1]), fast, safe)(
         q, k, v, out, stats, do, dlse, q_ids, kv_ids, delta)

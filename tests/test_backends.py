@@ -176,14 +176,17 @@ def test_predicated_triton_forward_checks_its_arguments():
 def _leaky_stand_in():
     """Stands in for the Mosaic kernels on machines without an sm_90 GPU: the Triton result plus
     `mark` (1 lets a test tell which branch ran; read when traced), and NaN everywhere once any
-    operand holds a NaN (the worst leak a kernel could have)."""
+    operand holds a NaN (the worst leak a kernel could have). Its forward keeps the Mosaic
+    forward's contract: a row whose O holds an inf or NaN has r = NaN."""
     def poison(*xs):
         return sum(0.0 * jnp.sum(x.astype(jnp.float32)) for x in xs)
 
     def forward(spec, q, k, v, q_ids=None, kv_ids=None, sinks=None, *, config=None):
         del config
         out, row_stats = triton_forward.forward(spec, q, k, v, q_ids, kv_ids, sinks)
-        return (out + stand_in.mark + poison(v)).astype(out.dtype), row_stats
+        out = (out + stand_in.mark + poison(v)).astype(out.dtype)
+        bad = ~jnp.isfinite(out).all(axis=-1).transpose(0, 2, 1)   # [batch, q_heads, seq_q]
+        return out, row_stats._replace(r=jnp.where(bad, jnp.nan, row_stats.r))
 
     def backward(spec, q, k, v, out, row_stats, do, dlse, q_ids=None, kv_ids=None, delta=None):
         grads = triton_backward.backward(spec, q, k, v, out, row_stats, do, dlse, q_ids, kv_ids,

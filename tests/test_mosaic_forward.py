@@ -170,6 +170,30 @@ def test_fused_exponent_with_large_logits(causal):
     assert relative_error(stats.to_lse(spec, row_stats), ref_lse) < 1e-4
 
 
+# guarded.py decides from r whether the Triton forward must redo a call, so every row whose O
+# holds an inf or NaN must leave with r = NaN, and no other row may.
+@pytest.mark.skipif(ON_GPU and not IS_HOPPER, reason="Mosaic GPU kernel needs sm_90")
+@pytest.mark.parametrize("bad", [jnp.nan, jnp.inf])
+def test_rows_with_a_non_finite_output_leave_r_nan(bad):
+    q, k, v = _inputs(1, 192, 192, 2, 1, 128, jnp.bfloat16, seed=11)
+    spec = make_spec(192, 192, 128, jnp.bfloat16, causal=True)
+    cfg = default_forward_config(128, spec)
+    out, row_stats = mosaic.forward(spec, q, k, v, config=cfg)
+    assert not np.isnan(np.asarray(row_stats.r)).any()
+    # Key 180 is seen by rows 180 and later only; rows before it may meet it as 0 * bad where
+    # they visit its block, and the first rows' tiles stop short of it.
+    out, row_stats = mosaic.forward(spec, q, k, v.at[0, 180, 0, 5].set(bad), config=cfg)
+    bad_rows = ~np.isfinite(np.asarray(out, np.float32)).all(axis=-1).transpose(0, 2, 1)
+    np.testing.assert_array_equal(np.isnan(np.asarray(row_stats.r)), bad_rows)
+    assert bad_rows[:, :, 180:].all()   # the rows that see key 180
+    # The rows that keep a finite O do not see key 180: they match the clean V's reference.
+    ref = pf.reference_attention(*(x.astype(jnp.float32) for x in (q, k, v)), causal=True)
+    keep = ~bad_rows.transpose(0, 2, 1)[..., None]
+    assert keep.any()
+    assert_close("O", np.where(keep, np.asarray(out, np.float32), 0.0),
+                 np.where(keep, np.asarray(ref), 0.0), TOLERANCE[jnp.dtype(q.dtype)])
+
+
 def _softcap_tanh_in_a_kernel(x):
     """common.softcap_tanh applied inside a Mosaic GPU kernel compiled as the attention kernels
     are (approx_math), so that on the GPU it is the hardware's approximation; interpreted on

@@ -30,7 +30,9 @@ count the whole cluster's warpgroups).
 Partial tiles: the TMA reads rows past the end as zeros and drops stores past it; lengths that
 are not a multiple of 8 (the TMA's row tiling) are zero-padded in XLA first.
 Unlike Triton, a non-finite V entry at a masked-out position of a visited block reaches its
-row (0 * inf); guarded.py sends such calls to Triton under backend="auto".
+row (0 * inf). So a row whose O holds an inf or NaN, leaked or genuine, leaves with r = NaN:
+under backend="auto" guarded.py reads r (one float a row) to decide whether the Triton forward
+redoes the call.
 Interpret mode (`spec.interpret`) takes no wgmma operand in registers: P is staged through
 shared memory and the product added to acc.
 """
@@ -387,6 +389,8 @@ def _kernel_body(q_ref, k_ref, v_ref, q_ids_ref, kv_ids_ref, cta_seg_ref, wg_seg
                 weight, r = sink_epilogue(m, l, sink_ref[head], c)
                 out = acc * _bcast_rows(weight, acc.shape)
             out = jnp.where(_bcast_rows(seen, acc.shape), out, 0.0)
+            # 0 * x is 0 for a finite x and NaN for an inf or NaN: the row sum marks r.
+            r = r + jnp.sum(out * 0.0, axis=1)
             if jnp.dtype(dtype) == jnp.float16:
                 big = (jnp.abs(out) > F16_MAX) & (jnp.abs(out) < jnp.inf)
                 out = jnp.where(big, jnp.where(out > 0, F16_MAX, -F16_MAX), out)
