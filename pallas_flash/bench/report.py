@@ -208,7 +208,7 @@ def _table(header: list[str], rows: list[list]) -> list[str]:
     return lines
 
 
-def _source_line(path: str, meta: dict, with_timer: bool) -> str:
+def _source_line(path: str, meta: dict, with_timer: bool, complete: bool = True) -> str:
     commit = meta.get("git_commit") or "unknown"
     text = (f"`{path}`: {meta.get('gpu')}, jax {meta.get('jax_version')}, "
             f"{meta.get('dtype')}, commit `{commit}`")
@@ -219,6 +219,8 @@ def _source_line(path: str, meta: dict, with_timer: bool) -> str:
                      "backward calls)")
         else:
             text += f", per-call timer (median of {fwd} forward / {bwd} backward calls)"
+    if not complete:
+        text += "; cut by its time limit, the case it stopped in left out"
     return text + "."
 
 
@@ -366,7 +368,8 @@ def markdown_speed(sources: list[tuple[str, dict]]) -> str:
         if r["status"] == "bwd error":
             cells[5] = f"bwd error: {r['error']}"
         table.append(cells)
-    lines = ["Source: " + _source_line(path, data["meta"], True) for path, data in sources]
+    lines = ["Source: " + _source_line(path, data["meta"], True, data.get("complete", True))
+             for path, data in sources]
     lines += ["", "Case: batch × seq × q heads × kv heads × head_dim (× V's head_dim where it "
               "differs). × cuDNN: cuDNN's time "
               "over this row's (above 1: faster). Error: ‖out − ref‖ / ‖ref‖ of the forward "
@@ -629,11 +632,22 @@ def load_result(path: str) -> tuple[list[str], dict]:
     (a sweep), 'cold_start' and 'decode'."""
     with open(path) as f:
         data = json.load(f)
+    if "results" in data and data.get("complete") is False:
+        data["results"] = _finished_cases(data["results"])
     kinds = [kind for kind, key in _KINDS.items() if key in data]
     if not kinds:
         raise ValueError(f"{path}: no benchmark rows, memory sweep, cold start, decode or "
                          f"training-step run")
     return kinds, data
+
+
+def _finished_cases(rows: list[dict]) -> list[dict]:
+    """The rows of a run cut short by its time limit, less those of a case it stopped in before
+    our row: alone, its cuDNN row would replace an earlier file's and stand beside our row of
+    another run (`_latest`)."""
+    ours = {(r["case"], r["causal"], r.get("variant"), r.get("dtype"))
+            for r in rows if r["impl"] == "pallas_flash"}
+    return [r for r in rows if (r["case"], r["causal"], r.get("variant"), r.get("dtype")) in ours]
 
 
 def _sources_of(attrs: str) -> list[str]:

@@ -172,6 +172,31 @@ def test_a_case_measured_again_replaces_the_earlier_row():
     assert "| 2 × 8192 × 8 × 8 × 64 |" in rows[1]
 
 
+def test_a_run_cut_short_keeps_only_the_cases_it_finished(tmp_path):
+    """A results file of a run its time limit stopped (complete: false) loses the case it
+    stopped in before our row: that case keeps the earlier file's rows, cuDNN's included, and
+    the source line says the run was cut. A finished file keeps every row."""
+    old = {"meta": META, "complete": True,
+           "results": [_row("2x8192x8x8x256", True, "pallas_flash", 0.785, 3.760),
+                       _row("2x8192x8x8x256", True, "cudnn", 0.912, 3.441)]}
+    cut = {"meta": META, "complete": False,
+           "results": [_row("2x8192x8x8x64", True, "pallas_flash", 1.1, 3.7),
+                       _row("2x8192x8x8x64", True, "cudnn", 1.2, 3.6),
+                       _row("2x8192x8x8x256", True, "cudnn", 0.919, 3.661)]}
+    paths = []
+    for name, data in (("old.json", old), ("cut.json", cut)):
+        (tmp_path / name).write_text(json.dumps(data))
+        paths.append(str(tmp_path / name))
+    loaded = [(p, report.load_result(p)[1]) for p in paths]
+    assert [r["case"] for r in loaded[1][1]["results"]] == ["2x8192x8x8x64"] * 2
+    assert len(loaded[0][1]["results"]) == 2
+    text = report.markdown_speed(loaded)
+    rows = [line for line in text.splitlines() if line.startswith("| 2 × 8192 × 8 × 8 × 256")]
+    assert len(rows) == 2 and "| 0.912 |" in rows[1] and "0.919" not in text
+    sources = [line for line in text.splitlines() if line.startswith("Source:")]
+    assert "cut by its time limit" not in sources[0] and "cut by its time limit" in sources[1]
+
+
 def test_a_case_in_another_dtype_is_a_row_of_its_own():
     """The same case in fp16 neither replaces the bf16 row nor reads like it."""
     bf16 = {"meta": META, "results": [_row("2x8192x16x16x128", True, "pallas_flash", 0.9, 3.0)]}
