@@ -272,8 +272,13 @@ def _latest(rows: list[dict]) -> list[dict]:
     later file replaces the earlier measurement, in the earlier one's place."""
     keyed = {}
     for r in rows:
-        keyed[(r["case"], r["causal"], r["impl"], r.get("variant"), r.get("dtype"))] = r
+        keyed[(*_case_key(r), r["impl"])] = r
     return list(keyed.values())
+
+
+def _case_key(r: dict) -> tuple:
+    """A measured case: shape, mask, variant and dtype (every implementation's row of it)."""
+    return r["case"], r["causal"], r.get("variant"), r.get("dtype")
 
 
 def _case_label(r: dict) -> str:
@@ -645,9 +650,8 @@ def _finished_cases(rows: list[dict]) -> list[dict]:
     """The rows of a run cut short by its time limit, less those of a case it stopped in before
     our row: alone, its cuDNN row would replace an earlier file's and stand beside our row of
     another run (`_latest`)."""
-    ours = {(r["case"], r["causal"], r.get("variant"), r.get("dtype"))
-            for r in rows if r["impl"] == "pallas_flash"}
-    return [r for r in rows if (r["case"], r["causal"], r.get("variant"), r.get("dtype")) in ours]
+    ours = {_case_key(r) for r in rows if r["impl"] == "pallas_flash"}
+    return [r for r in rows if _case_key(r) in ours]
 
 
 def _sources_of(attrs: str) -> list[str]:
