@@ -20,10 +20,13 @@ every row whose O holds an inf or NaN with r = NaN (mosaic/forward.py), so the c
 one float a row, instead of V (head_dim times as many values, and V's read is a pass of its
 own). A row with a non-finite q or k gets r = NaN too and also sends the call to Triton, which
 gives the same NaNs; no healthy row has r = NaN (r is log2 of a positive sum, or -inf for a
-row that sees no key). The backward checks its operands before the Mosaic backward:
-q, k, v and the preprocess's D (D = rowsum(dO * O) - dlse is non-finite wherever dO is:
-inf * 0 and NaN both give NaN, so D stands in for dO at a thousandth of its size; a D that
-overflows only sends the call to the Triton kernels).
+row that sees no key). The backward does the same where the fused Mosaic kernel serves it
+(head_dim 64 and 128): that kernel marks every key whose dK, dV or K row holds an inf or NaN,
+which every non-finite operand reaches, hidden or not (mosaic/fused_backward.py), and the check
+reads the marks, one float a key. The two-kernel Mosaic backward marks nothing, so there the
+check reads its operands: q, k, v and the preprocess's D (D = rowsum(dO * O) - dlse is
+non-finite wherever dO is: inf * 0 and NaN both give NaN, so D stands in for dO at a
+thousandth of its size; a D that overflows only sends the call to the Triton kernels).
 
 Both kernels are launched, the Triton one predicated on the flag (triton.common.predicated):
 when the check passes its programs return at once, and its outputs, aliased to the Mosaic
@@ -99,23 +102,27 @@ def forward(spec: AttentionSpec, q, k, v, q_ids=None, kv_ids=None, sinks=None):
 
 def backward(spec: AttentionSpec, q, k, v, out, stats, do, dlse, q_ids=None, kv_ids=None, *,
              delta=None):
-    """(dq, dk, dv): the Mosaic backward's when q, k, v and dO are finite, else the Triton one's.
+    """(dq, dk, dv): the Mosaic backward's when it met no inf or NaN, else the Triton one's.
 
-    A non-finite O or row statistic follows from a non-finite q, k or v (O is a convex
-    combination of v), so those are not checked separately; dlse enters D with dO, and the
-    check reads D (module docstring). Both backwards take this D, formed once (here, unless
-    the caller has it).
+    The fused kernel's marks say whether it met one; on the two-kernel path the check reads
+    q, k, v and D instead. A non-finite O or row statistic follows from a non-finite q, k or v
+    (O is a convex combination of v), so those are not checked separately; dlse enters D with
+    dO (module docstring). Both backwards take this D, formed once (here, unless the caller
+    has it).
     """
     if delta is None:
         delta = output_dot(out, do, dlse, jnp.float32)
 
     def fast(q, k, v, out, stats, do, dlse, q_ids, kv_ids, delta):
-        return mosaic_backward.backward(spec, q, k, v, out, stats, do, dlse, q_ids, kv_ids,
-                                        delta=delta)
+        return mosaic_backward.backward_checked(spec, q, k, v, out, stats, do, dlse, q_ids,
+                                                kv_ids, delta=delta)
+
+    def check(into, q, k, v, *rest):
+        clean = into[1]
+        return all_finite(q, k, v, rest[-1]) if clean is None else jnp.all(clean)
 
     def safe(skip, into, q, k, v, out, stats, do, dlse, q_ids, kv_ids, delta):
         return triton_backward.backward(spec, q, k, v, out, stats, do, dlse, q_ids, kv_ids,
-                                        delta=delta, skip=skip, into=into)
+                                        delta=delta, skip=skip, into=into[0])
 
-    return _predicated(lambda into, q, k, v, *rest: all_finite(q, k, v, rest[-1]), fast, safe)(
-        q, k, v, out, stats, do, dlse, q_ids, kv_ids, delta)
+    return _predicated(check, fast, safe)(q, k, v, out, stats, do, dlse, q_ids, kv_ids, delta)

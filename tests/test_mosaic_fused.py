@@ -154,6 +154,58 @@ def test_vmap_folds_into_the_batch():
     assert launches == [(n, sq, hq, d)], launches
 
 
+# ---- the marks the guard reads (guarded.py) ------------------------------------------------------
+
+@needs_hopper
+@pytest.mark.parametrize("poison,dtype", [
+    (None, jnp.bfloat16), ("q", jnp.bfloat16), ("k_hidden", jnp.bfloat16), ("v", jnp.bfloat16),
+    ("do", jnp.bfloat16), ("k_hidden", jnp.float16)])
+def test_checked_backward_marks_every_nonfinite_operand(poison, dtype):
+    """backward_checked's flag is False whenever the fused kernel read an inf or NaN, also one
+    the mask hides: "k_hidden" is key 110 of 128, seen by none of the 100 causal queries, whose
+    NaN the tile's dQ product (dS K) still spreads over a column of every query's dQ. With
+    clean operands the flag is True and the gradients are `backward`'s, bit for bit, and the
+    reference's."""
+    b, sq, skv, hq, hkv, d = 1, 100, 128, 2, 1, 64
+    q, k, v, do = random_inputs(jax.random.PRNGKey(57), b, sq, skv, hq, hkv, d, dtype)
+    dlse = jax.random.normal(jax.random.PRNGKey(58), (b, hq, sq), jnp.float32)
+    spec = make_spec(sq, skv, d, dtype, causal=True)
+    out, stats = triton_forward.forward(spec, q, k, v)
+    where = {"q": ("q", 5), "k_hidden": ("k", 110), "v": ("v", 40), "do": ("do", 5)}
+    ops = dict(q=q, k=k, v=v, do=do)
+    if poison is not None:
+        name, row = where[poison]
+        ops[name] = ops[name].at[0, row, 0, 3].set(jnp.nan)
+    args = (ops["q"], ops["k"], ops["v"], out, stats, ops["do"], dlse)
+    grads, clean = jax.jit(lambda *a: mosaic.backward_checked(spec, *a, config=FUSED))(*args)
+    if poison is not None:
+        assert not bool(clean)
+        if poison == "k_hidden":  # the leak the flag must catch: a NaN column in every dQ row
+            assert np.isnan(np.asarray(grads[0], np.float32)[..., 3]).all()
+        return
+    assert bool(clean)
+    plain = jax.jit(lambda *a: mosaic.backward(spec, *a, config=FUSED))(*args)
+    for g, p in zip(grads, plain):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(p))
+    up = lambda x: x.astype(jnp.float32)  # noqa: E731
+    _, ref_vjp = jax.vjp(lambda q, k, v: pf.reference_attention(q, k, v, causal=True,
+                                                                return_lse=True),
+                         up(q), up(k), up(v))
+    tol = TOLERANCE[jnp.dtype(dtype)]
+    for name, g, w in zip(("dq", "dk", "dv"), grads, ref_vjp((up(do), dlse))):
+        assert_close(name, g, w, tol)
+
+
+def test_two_kernel_backward_reports_no_marks():
+    """Beyond the fused kernel (here head_dim 256) backward_checked has no flag: None, so that
+    the guard checks the operands instead."""
+    q, k, v, out, stats, do, dlse = backward_args(1, 128, 128, 2, 1, 256, jnp.bfloat16)
+    spec = make_spec(128, 128, 256, jnp.bfloat16, causal=True, interpret=False)
+    _, clean = jax.eval_shape(lambda *a: mosaic.backward_checked(spec, *a),
+                              q, k, v, out, stats, do, dlse)
+    assert clean is None
+
+
 # ---- the fused backward split over launches (schedule.fused_launches) --------------------------
 
 def _split_case(seed, b, seq, hq, hkv, d, dtype, causal=True):

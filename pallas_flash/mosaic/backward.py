@@ -54,7 +54,7 @@ from pallas_flash.spec import AttentionSpec
 from pallas_flash.stats import LOG2E, RowStats, logit_scale, output_dot
 
 __all__ = ["DKDV_KERNEL_NAME", "DQ_KERNEL_NAME", "MosaicBackwardConfig",
-           "default_backward_config", "backward", "unsupported_reason"]
+           "default_backward_config", "backward", "backward_checked", "unsupported_reason"]
 
 DKDV_KERNEL_NAME = "pallas_flash_mosaic_bwd_dkdv"
 DQ_KERNEL_NAME = "pallas_flash_mosaic_bwd_dq"
@@ -515,6 +515,17 @@ def backward(spec: AttentionSpec, q, k, v, out, stats: RowStats, do, dlse, q_ids
     delta: the preprocess's D (stats.output_dot, float32), if already formed.
     Raises NotImplementedError for anything these kernels do not serve (`unsupported_reason`).
     """
+    return backward_checked(spec, q, k, v, out, stats, do, dlse, q_ids, kv_ids, config=config,
+                            delta=delta)[0]
+
+
+def backward_checked(spec: AttentionSpec, q, k, v, out, stats: RowStats, do, dlse, q_ids=None,
+                     kv_ids=None, *, config: MosaicBackwardConfig | None = None, delta=None):
+    """((dq, dk, dv), clean): `backward`'s gradients, and where the fused kernel serves the
+    call, a boolean scalar that is True when that kernel met no inf or NaN in any operand it
+    read, also at positions the mask hides (its per-key marks, fused_backward.fused_backward);
+    None on the two-kernel path, which marks nothing.
+    """
     batch, seq_q, q_heads, head_dim = q.shape
     seq_kv, kv_heads, head_dim_v = k.shape[1], k.shape[2], v.shape[3]
     cfg = config or default_backward_config(head_dim)
@@ -543,8 +554,8 @@ def backward(spec: AttentionSpec, q, k, v, out, stats: RowStats, do, dlse, q_ids
     q, do = pad_seq(q, 8), pad_seq(do, 8)
     k, v = pad_seq(k, 8), pad_seq(v, 8)
     if uses_fused(spec, q, k, cfg, head_dim_v):
-        dq, dk, dv = fused_backward.fused_backward(spec, q, k, v, do, rows, cfg)
-        return dq[:, :seq_q], dk[:, :seq_kv], dv[:, :seq_kv]
+        dq, dk, dv, marks = fused_backward.fused_backward(spec, q, k, v, do, rows, cfg)
+        return (dq[:, :seq_q], dk[:, :seq_kv], dv[:, :seq_kv]), ~jnp.isnan(marks).any()
     compiler = plgpu.CompilerParams(approx_math=True)
 
     # ---- dK, dV ------------------------------------------------------------------------------
@@ -632,4 +643,4 @@ def backward(spec: AttentionSpec, q, k, v, out, stats: RowStats, do, dlse, q_ids
         interpret=interpret_params(spec.interpret, wgs + 1),
         kernel_name=DQ_KERNEL_NAME,
     )(*args)
-    return dq[:, :seq_q], dk[:, :seq_kv], dv[:, :seq_kv]
+    return (dq[:, :seq_q], dk[:, :seq_kv], dv[:, :seq_kv]), None

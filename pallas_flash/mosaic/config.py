@@ -372,7 +372,8 @@ class MosaicBackwardConfig:
                                       + stat_rows * FUSED_BLOCK_Q * 4)
         ds = FUSED_DS_BUFFERS * FUSED_CTA_KEYS * FUSED_BLOCK_Q * itemsize
         dq = self.fused_dq_slots * FUSED_BLOCK_Q * head_dim * 4
-        return kv + stream + ds + dq + SMEM_RESERVED
+        marks = 2 * WG_ROWS * 4
+        return kv + stream + ds + dq + marks + SMEM_RESERVED
 
     def fused_side_registers(self) -> int:
         """Registers per thread of the fused kernel's copy and writer warpgroups: what the two

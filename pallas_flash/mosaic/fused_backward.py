@@ -19,6 +19,9 @@ next (docs/design.md says why that cannot deadlock). A CTA owns 128 keys at a ti
   * a writer warpgroup moves each dQ tile to global memory: semaphore wait, TMA store (first
     tile) or TMA reduce-add (float32, in L2), wait for the read, free the slot, wait for the
     landing, signal.
+With dK and dV each compute warpgroup stores one mark per key, NaN where the key's dK, dV or K
+row holds an inf or NaN (`fused_backward`): guarded.py's check reads those instead of the
+operands.
 The order: the key tiles that see q block j are a range [first(j), last(j)) (MaskSpec.kv_blocks
 with 128-key blocks); tile t waits on a semaphore per (batch, q head, q block) until it counts
 t - first(j) adds. A tile waits only on lower tiles, which launch first, so the spin cannot
@@ -185,8 +188,8 @@ class _Item:
                 self.cta_hi - 1 - lax.rem(t, self.per_head))
 
 
-def _fused_body(q_ref, k_ref, v_ref, do_ref, st_ref, dk_ref, dv_ref, dq_ref,
-                k_smem, v_smem, q_smem, do_smem, st_smem, ds_smem, dq_smem,
+def _fused_body(q_ref, k_ref, v_ref, do_ref, st_ref, dk_ref, dv_ref, dq_ref, marks_ref,
+                k_smem, v_smem, q_smem, do_smem, st_smem, ds_smem, dq_smem, mark_smem,
                 k_loaded, v_loaded, q_loaded, do_loaded, st_loaded, slot_free,
                 ds_ready, dq_ready, dq_free, both_done, *more_smem,
                 spec: AttentionSpec, cfg, group: int, head_dim: int, q_heads: int,
@@ -393,11 +396,20 @@ def _fused_body(q_ref, k_ref, v_ref, do_ref, st_ref, dk_ref, dv_ref, dq_ref,
                     dk = dk * bcast_rows(kf * spec.scale, dk.shape)
                 else:
                     dk = dk * spec.scale
-                my_k[...] = dk.astype(dtype)
-                my_v[...] = dv.astype(dtype)
+                dk, dv = dk.astype(dtype), dv.astype(dtype)
+                # The key's mark (`fused_backward`): 0 * x is 0 for a finite x and NaN for an
+                # inf or NaN, so the row sum is NaN where the key's dK, dV or K row holds one.
+                # K is read before its buffer takes dK.
+                probe = ((dk.astype(jnp.float32) * 0.0 + dv.astype(jnp.float32) * 0.0)
+                         + my_k[...].astype(jnp.float32) * 0.0)
+                mark_smem.at[w][...] = jnp.sum(probe, axis=1)
+                my_k[...] = dk
+                my_v[...] = dv
                 plgpu.commit_smem()
                 plgpu.copy_smem_to_gmem(my_k, dk_ref.at[rows])
                 plgpu.copy_smem_to_gmem(my_v, dv_ref.at[rows])
+                plgpu.copy_smem_to_gmem(
+                    mark_smem.at[w], marks_ref.at[it.batch, it.kv_head, pl.ds(key0, WG_ROWS)])
                 if persistent:
                     # Read out: the copy warpgroup may load the next item's K and V.
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
@@ -527,9 +539,18 @@ def _fused_body(q_ref, k_ref, v_ref, do_ref, st_ref, dk_ref, dv_ref, dq_ref,
 
 
 def fused_backward(spec: AttentionSpec, q, k, v, do, rows, cfg):
-    """(dq, dk, dv) for operands already padded as backward.py pads them (sequence axes to a
-    multiple of 8; rows = the [b, hq, 3, *] m / r / D statistics padded to whole q blocks;
-    float16 adds dQ's cast factors as a fourth row, `dq_cast_scales`).
+    """(dq, dk, dv, marks) for operands already padded as backward.py pads them (sequence
+    axes to a multiple of 8; rows = the [b, hq, 3, *] m / r / D statistics padded to whole q
+    blocks; float16 adds dQ's cast factors as a fourth row, `dq_cast_scales`).
+
+    marks: float32 [b, kv heads, key tiles x 128], NaN for each key whose dK, dV or K row holds
+    an inf or NaN, 0 elsewhere. A non-finite q, k, v, dO or D entry that the kernel reads,
+    also at a position the mask hides, reaches a mark: through the products that carry it into
+    dK and dV (dS^T Q, P^T dO, with dS from dO V^T and D). K's own reaches dK and dV only
+    through the masked logits' arithmetic and dQ (dS K) in any case, so it is marked from K
+    itself. So no NaN mark means that no non-finite value reached the gradients (guarded.py);
+    an entry no tile reads (a key no query sees, in a tile that visits no q block) is left
+    unmarked, and reaches nothing.
 
     Under jax.vmap the vmapped axis is folded into the batch axis (one kernel launch with a
     larger batch). The generic rule of plgpu.kernel would add a grid axis instead, and the
@@ -578,6 +599,7 @@ def _fused(q, k, v, do, rows, *, spec: AttentionSpec, cfg):
         plgpu.SMEM((stages, stat_rows(dtype), BLOCK_Q), jnp.float32),  # m, r, D (, s)
         plgpu.SMEM((DS_BUFFERS, 2, WG_ROWS, BLOCK_Q), dtype),  # dS^T [parity, key tile]
         plgpu.SMEM((slots, BLOCK_Q, head_dim), jnp.float32), # dQ tiles
+        plgpu.SMEM((2, WG_ROWS), jnp.float32),               # the keys' marks
         plgpu.Barrier(num_barriers=2),
         plgpu.Barrier(num_barriers=2),
         plgpu.Barrier(num_barriers=stages),
@@ -630,6 +652,7 @@ def _fused(q, k, v, do, rows, *, spec: AttentionSpec, cfg):
                                  head_dim=head_dim, q_heads=heads * group, n_qblocks=n_qblocks,
                                  n_tiles=n_tiles, chunk=chunk, batch_size=batch)
         dq_type = jax.ShapeDtypeStruct((batch, seq_q8, heads * group, head_dim), jnp.float32)
+        marks_type = jax.ShapeDtypeStruct((batch, heads, n_tiles * CTA_KEYS), jnp.float32)
         n_extra = len(extra)
         if persistent:
             items = heads * n_tiles * batch
@@ -648,18 +671,19 @@ def _fused(q, k, v, do, rows, *, spec: AttentionSpec, cfg):
             plan_ref = refs[0] if persistent else None
             refs = refs[1:] if persistent else refs
             if split:
-                head0_ref, dk_ref, dv_ref, _dq_state, dq_ref, *scratch_refs = refs
+                head0_ref, dk_ref, dv_ref, _dq_state, dq_ref, marks_ref, *scratch_refs = refs
             else:
                 head0_ref = None
-                dk_ref, dv_ref, dq_ref, *scratch_refs = refs
-            body(q_ref, k_ref, v_ref, do_ref, st_ref, dk_ref, dv_ref, dq_ref, *scratch_refs,
+                dk_ref, dv_ref, dq_ref, marks_ref, *scratch_refs = refs
+            body(q_ref, k_ref, v_ref, do_ref, st_ref, dk_ref, dv_ref, dq_ref, marks_ref,
+                 *scratch_refs,
                  head0_ref=head0_ref, kf_ref=kf_ref, plan_ref=plan_ref)
 
         if split:
-            out_type = dq_type
+            out_type = (dq_type, marks_type)
         else:
             kv_shape = jax.ShapeDtypeStruct(k.shape, dtype)
-            out_type = (kv_shape, kv_shape, dq_type)
+            out_type = (kv_shape, kv_shape, dq_type, marks_type)
         kernel = plgpu.kernel(
             kernel_body,
             out_type=out_type,
@@ -681,8 +705,8 @@ def _fused(q, k, v, do, rows, *, spec: AttentionSpec, cfg):
 
     launches = fused_launches(cfg, batch, mask.seq_q, q_heads, kv_heads, head_dim, n_tiles)
     if launches == 1:
-        dk, dv, dq_sum = launch_kernel(kv_heads, split=False)(q, k, v, do, rows, *extra)
-        return finish(dq_sum), dk, dv
+        dk, dv, dq_sum, marks = launch_kernel(kv_heads, split=False)(q, k, v, do, rows, *extra)
+        return finish(dq_sum), dk, dv, marks
     heads = kv_heads // launches
     # One jitted launch called `launches` times: lowered (Mosaic GPU's layout inference, seconds
     # per kernel) once, not once per launch.
@@ -690,10 +714,12 @@ def _fused(q, k, v, do, rows, *, spec: AttentionSpec, cfg):
     dk_ref = jax.new_ref(jnp.zeros(k.shape, dtype))
     dv_ref = jax.new_ref(jnp.zeros(v.shape, dtype))
     dq_ref = jax.new_ref(jnp.zeros(q.shape, dtype))
+    marks = []
     for n in range(launches):
         # Each launch's q heads are one contiguous range: q head = kv head x group + h.
         head0 = jnp.full((1,), n * heads, jnp.int32)
-        dq_sum = launch(q, k, v, do, rows, *extra, head0, dk_ref, dv_ref, dq_ref)
+        dq_sum, launch_marks = launch(q, k, v, do, rows, *extra, head0, dk_ref, dv_ref, dq_ref)
         dq_ref[:, :, n * heads * group:(n + 1) * heads * group] = finish(dq_sum,
                                                                          n * heads * group)
-    return dq_ref[...], dk_ref[...], dv_ref[...]
+        marks.append(launch_marks)
+    return dq_ref[...], dk_ref[...], dv_ref[...], jnp.concatenate(marks, axis=1)
