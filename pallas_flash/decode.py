@@ -101,7 +101,11 @@ def partial_contract(plan: DecodePlan, q_packed: jax.Array, k_cache: jax.Array,
         window_left); a token whose position is < 0 sees no key.
       block_table: int32 [batch, pages_per_seq] (logical page p of sequence b is physical page
         block_table[b, p]), or None for a contiguous cache. Only the entries of pages that hold
-        a position < kv_length are read; the rest may hold anything.
+        a position < kv_length, and not wholly before the window's first key (kv_length - q_len
+        - window_left), are read; the rest may hold anything. A read entry outside
+        [0, num_pages) (a traced table is not checked before the call) is read as page 0, so
+        no memory outside the cache is touched, and every split that reads it writes NaN for
+        O and lse in every row of that sequence: the caller's merge keeps NaN as NaN.
 
     Returns:
       o_part: float32 [batch, kv_heads, num_splits, rows, head_dim], each split's softmax-
@@ -173,10 +177,11 @@ def _array(name, x, rank):
 def _check_pages(block_table, kv_lengths, *, num_pages, page_size, max_len, q_len,
                  window_left):
     """When block_table and kv_lengths are concrete (an eager call, or constants under jit):
-    every page a sequence reads is a page of the cache. A page id outside it would have the
-    kernels read memory that is not the cache. The pages read are those that overlap the keys
-    the new tokens see: [kv_length - q_len - window_left, kv_length), or from 0 without a
-    window; other entries may hold anything (a sentinel for a page not allocated)."""
+    every page a sequence reads is a page of the cache, else a ValueError naming the entry. The
+    pages read are those that overlap the keys the new tokens see: [kv_length - q_len -
+    window_left, kv_length), or from 0 without a window; other entries may hold anything (a
+    sentinel for a page not allocated). A traced table is left to the kernels, which read page
+    0 in place of such an id and make that sequence's output NaN."""
     if any(isinstance(x, jax.core.Tracer) for x in (block_table, kv_lengths)):
         return
     table = np.asarray(block_table)
@@ -436,9 +441,12 @@ def decode_attention(
         q_len) sees no key: out = 0, lse = -inf.
       block_table: int32 [batch, pages_per_seq]: logical page p of sequence b is physical page
         block_table[b, p] (vLLM, flash_attn_with_kvcache). Entries past a sequence's length
-        (or before its window) are never read and may hold anything; the pages that are read
-        must be ids in [0, num_pages), a ValueError otherwise when the table and kv_lengths
-        are concrete (under jit their values are not known, and not checked).
+        (or wholly before its window) are never read and may hold anything; the pages that are
+        read must be ids in [0, num_pages). When the table and kv_lengths are concrete, a
+        ValueError names the first entry that is not. Under jit their values are not known
+        when the call is staged: the kernels read page 0 in place of such an id (never memory
+        outside the cache) and every output row of that sequence, and its lse, is NaN, so a
+        bad table shows instead of a wrong answer; the other sequences are unaffected.
       scale: logit multiplier; default 1/sqrt(head_dim).
       softcap: logits become softcap * tanh(logits / softcap).
       window: (left, right) as in flash_attention: a token at position p sees keys >= p - left

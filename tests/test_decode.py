@@ -416,3 +416,49 @@ def test_forced_mosaic_off_hopper_raises():
     with pytest.raises(ValueError, match="backend='mosaic'"):
         pf.decode_attention(q, cache, cache, kv_lengths=jnp.array([3], jnp.int32),
                             backend="mosaic", interpret=False)
+
+
+@pytest.mark.parametrize("lengths,options,bad,ignored", [
+    # A read page of sequence 1 past the cache, with four splits (the combine merges the NaN
+    # split); sequence 0's entries past its length (200 keys: pages 0 to 12) hold ids outside
+    # the cache too, and are not read.
+    ([200, 77, 130], dict(num_splits=4), [(1, 2, "past")], [(0, 13, "past"), (0, 15, "minus")]),
+    # A negative id in the last page of sequence 2 (130 keys: its ninth page holds key 128),
+    # one split (no combine); sequence 1 (77 keys) does not read its pages 5 and 9.
+    ([200, 77, 130], dict(num_splits=1), [(2, 8, "minus")], [(1, 5, "minus"), (1, 9, "past")]),
+    # A window of 40: sequence 0's keys start at 200 - 2 - 40 = 158, in page 9. Its pages 0 to
+    # 8 are not read, page 8 sharing a 64-key block with page 9; sequence 2 reads page 5
+    # (keys 80 to 95, its window starting at 88), not page 4 in the same block.
+    ([200, 77, 130], dict(num_splits=4, window=(40, 0)), [(2, 5, "past")],
+     [(0, 8, "minus"), (0, 3, "past"), (2, 4, "minus")]),
+])
+def test_traced_page_outside_the_cache_gives_nan(lengths, options, bad, ignored):
+    """Under jit the table is not checked before the call: a page a sequence reads that is not
+    a page of the cache makes that sequence's O and lse NaN (never an answer from other
+    memory); entries a sequence does not read are ignored, and other sequences are exact.
+    float32 goes to the Triton kernel under "auto" (interpret mode on the CPU)."""
+    batch, q_len, q_heads, kv_heads, d, max_len, page = 3, 2, 4, 2, 16, 256, 16
+    dtype = jnp.float32
+    kq, kc = jax.random.split(jax.random.PRNGKey(30))
+    q = _normal(kq, (batch, q_len, q_heads, d), dtype)
+    k_cache, v_cache, table, k, v = make_cache(kc, batch, max_len, kv_heads, d, dtype, page)
+    # Zeros, not NaN, in the pages no sequence uses: a read of a page outside the cache that
+    # lands on one (an index that wraps or clamps) may not pass for the NaN asked for here.
+    k_cache, v_cache = jnp.nan_to_num(k_cache), jnp.nan_to_num(v_cache)
+    num_pages = k_cache.shape[0]
+    ids = {"past": num_pages, "minus": -1}
+    table = np.array(table)
+    for b, p, value in bad + ignored:
+        table[b, p] = ids[value]
+    kv_lengths = jnp.array(lengths, jnp.int32)
+    step = jax.jit(lambda t, n: pf.decode_attention(q, k_cache, v_cache, kv_lengths=n,
+                                                    block_table=t, return_lse=True, **options))
+    out, lse = step(jnp.asarray(table), kv_lengths)
+    poisoned = sorted({b for b, _, _ in bad})
+    for b in poisoned:
+        assert np.isnan(np.asarray(out[b])).all(), f"sequence {b}: O is not all NaN"
+        assert np.isnan(np.asarray(lse[b])).all(), f"sequence {b}: lse is not all NaN"
+    good = np.array([b for b in range(batch) if b not in poisoned])
+    options.pop("num_splits")
+    ref_out, ref_lse = reference(q, k, v, kv_lengths, **options)
+    check(out[good], lse[good], ref_out[good], ref_lse[good], dtype)

@@ -213,6 +213,9 @@ def test_default_tiles_fit(head_dim, rows, page_size):
     tiles = mosaic.default_tiles(plan)
     assert tiles.smem_bytes(head_dim) <= SMEM_LIMIT
     assert plan.chunk % tiles.block_kv == 0
+    # The page flags share the lse buffer's 1 KB allocation, which smem_bytes does not count.
+    lse_rows, lse_width = mosaic.lse_buffer_shape(plan, tiles)
+    assert lse_rows * lse_width * 4 <= 1024
     assert mosaic.unsupported_reason(plan) is None
     # Keys as the wgmma M axis where the rows fit one N tile and O^T's rows (head_dim) are whole
     # 64-row M tiles, and the shared memory allows (not at 256); the partials' layout follows.
@@ -283,3 +286,53 @@ def test_tiles_over_shared_memory_are_refused():
 def test_tiles_validate(fields, match):
     with pytest.raises(ValueError, match=match):
         dataclasses.replace(mosaic.DecodeTiles(64, 2, 1), **fields)
+
+
+@pytest.mark.skipif(ON_GPU and not IS_HOPPER, reason="Mosaic GPU kernel needs sm_90")
+@pytest.mark.parametrize("head_dim,page_size,lengths,options,bad,ignored", [
+    # Keys as the wgmma M axis, 128-key blocks of eight 16-key pages, a window of 40 and two
+    # splits. Sequence 0's keys start at 230 - 2 - 40 = 188 (page 11): page 9 shares a block
+    # with it and is not read, nor is page 15 (past its length). Sequence 1 (keys from 108)
+    # reads page 8, in its second split (the combine merges the NaN split), and not page 5.
+    (64, 16, [230, 150], dict(window=(40, 0), num_splits=2), [(1, 8, "past")],
+     [(0, 9, "minus"), (0, 15, "past"), (1, 5, "minus")]),
+    # Rows as the wgmma M axis, a 64-key page per 64-key block: a negative id in a page of
+    # sequence 0; sequence 1 (97 keys) does not read its pages 2 and 3.
+    (96, 64, [200, 97], dict(num_splits=2), [(0, 1, "minus")], [(1, 2, "past"), (1, 3, "minus")]),
+    # Rows as M, four 16-key pages a block, one split, a window: sequence 0's keys start at
+    # 160 - 2 - 40 = 118 (page 7), whose block holds pages 4 to 6, not read.
+    (96, 16, [160, 45], dict(window=(40, 0), num_splits=1), [(1, 2, "past")],
+     [(0, 5, "minus"), (0, 10, "past"), (1, 3, "minus")]),
+])
+def test_traced_page_outside_the_cache_gives_nan(head_dim, page_size, lengths, options, bad,
+                                                 ignored):
+    # Under jit the table is not checked before the call: the copy warpgroup copies page 0 in
+    # place of an id outside the cache and flags the slot, and the sequence's O and lse come
+    # out NaN. Entries the sequence does not read are ignored; the other sequence is exact.
+    # Compiled on sm_90, else in interpret mode.
+    dtype, batch, q_len, q_heads, kv_heads, max_len = jnp.bfloat16, 2, 2, 4, 1, 256
+    kq, kc = jax.random.split(jax.random.PRNGKey(head_dim + page_size))
+    q = _normal(kq, (batch, q_len, q_heads, head_dim), dtype)
+    k_cache, v_cache, table, k, v = make_cache(kc, batch, max_len, kv_heads, head_dim, dtype,
+                                               page_size)
+    # Zeros, not NaN, in the pages no sequence uses: a read of a page outside the cache that
+    # lands on one (an index that wraps or clamps) may not pass for the NaN asked for here.
+    k_cache, v_cache = jnp.nan_to_num(k_cache), jnp.nan_to_num(v_cache)
+    num_pages = k_cache.shape[0]
+    ids = {"past": num_pages, "minus": -1}
+    table = np.array(table)
+    for b, p, value in bad + ignored:
+        table[b, p] = ids[value]
+    kv_lengths = jnp.array(lengths, jnp.int32)
+    step = jax.jit(lambda t, n: pf.decode_attention(
+        q, k_cache, v_cache, kv_lengths=n, block_table=t, return_lse=True, backend="mosaic",
+        interpret=None if IS_HOPPER else True, **options))
+    out, lse = step(jnp.asarray(table), kv_lengths)
+    poisoned = sorted({b for b, _, _ in bad})
+    for b in poisoned:
+        assert np.isnan(np.asarray(out[b], np.float32)).all(), f"sequence {b}: O is not all NaN"
+        assert np.isnan(np.asarray(lse[b])).all(), f"sequence {b}: lse is not all NaN"
+    good = np.array([b for b in range(batch) if b not in poisoned])
+    options.pop("num_splits")
+    ref_out, ref_lse = reference(q, k, v, kv_lengths, **options)
+    check(out[good], lse[good], ref_out[good], ref_lse[good], dtype)

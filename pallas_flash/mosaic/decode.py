@@ -30,6 +30,19 @@ rows of the slot (the slot's "loaded" barrier then expects that many arrivals), 
 larger than a block is read block by block. Logical page indices are clamped to the last page
 that holds a key below kv_length, so no block-table entry past it is read.
 
+Page ids outside [0, num_pages) (a traced block table is not checked before the call): the
+copy warpgroup copies page 0 in their place, so no copy reads outside the cache, and gives each
+slot a page flag, NaN where a page the sequence reads (one holding a key in [the window's first
+key, kv_length)) had such an id, else 0. It stores the flag in shared memory (rows of the lse
+staging buffer past the compute warpgroups' own, in the slack of its 1 KB allocation) before
+the slot's copies. Every copy-warpgroup thread stores it and then arrives on the slot's K
+barrier (mbarrier.arrive.expect_tx, release semantics), and the compute warpgroups read it
+only after their wait on that barrier (try_wait, acquire): the barrier that hands them the K
+block hands them its flag. They read it before arriving on the slot's `free` barrier, which
+the copy warpgroup awaits before it writes the slot's next flag. Each compute warpgroup sums
+its slots' flags in one float and adds it to O and lse at the end: one scalar add a block on
+the healthy path, and NaN in every row of a sequence that read a page outside the cache.
+
 Math: the online softmax of forward.py in base 2, c = logit_scale * log2(e), S in logit units
 (q.k, or tanh(q.k * scale / softcap) with a softcap); lse = m * logit_scale + ln(l). Keys are
 masked (by an iota compare) only in the blocks at the split's edges, at kv_length and at the
@@ -90,6 +103,8 @@ class DecodeTiles:
             raise ValueError(f"DecodeTiles.compute_wgs must be 1 or 2, got {self.compute_wgs}")
 
     def smem_bytes(self, head_dim: int, itemsize: int = 2) -> int:
+        # The page flags of a paged cache (one float a slot) lie in the slack of the lse
+        # buffer's 1 KB allocation: they add nothing here.
         rows = self.compute_wgs * WG_ROWS
         kv = 2 * self.stages * self.block_kv * head_dim * itemsize
         if self.keys_as_m:
@@ -195,6 +210,35 @@ def _bcast_cols(x, shape):
     return lax.broadcast_in_dim(x, shape, [1])
 
 
+def lse_buffer_shape(plan, tiles: DecodeTiles) -> tuple[int, int]:
+    """The float32 lse staging buffer: a row per compute warpgroup (one row of the n packed
+    rows with keys as M), then, for a paged cache, rows holding one page flag a slot
+    (`_page_flags`)."""
+    width = keys_n(plan.rows) if tiles.keys_as_m else WG_ROWS
+    own = 1 if tiles.keys_as_m else tiles.compute_wgs
+    return own + (-(-tiles.stages // width) if plan.paged else 0), width
+
+
+def _page_flags(buffer, first_row: int, stages: int):
+    """slot -> the 0-d ref of that slot's page flag: rows first_row.. of `buffer`, the lse
+    staging buffer, whose 1 KB shared-memory allocation has room to spare (every scratch
+    buffer starts on a 1 KB boundary), so the flags take no shared memory of their own."""
+    width = buffer.shape[-1]
+
+    def at(slot):
+        if stages <= width:
+            return buffer.at[first_row, slot]
+        return buffer.at[first_row + lax.div(slot, jnp.int32(width)),
+                         lax.rem(slot, jnp.int32(width))]
+
+    return at
+
+
+def _poisoned(out, lse, poison):
+    """(O, lse) + poison: the NaN of a page outside the cache reaches every element."""
+    return out + poison, lse + poison
+
+
 def _full_blocks(plan, block_kv: int, kv_len, key_lo, key_hi, lo, hi):
     """(full_lo, full_hi): the blocks of [lo, hi) that hold only keys every query row sees:
     inside the split, below kv_len, at or before query 0's position, at or after the last
@@ -227,8 +271,8 @@ def _finish(acc, m, l, bcast, logit_scale: float):
 
 
 def _compute_keys_as_m(*, plan, tiles, q_ref, o_ref, lse_ref, q_smem, k_smem, v_smem, p_smem,
-                       o_smem, lse_smem, q_loaded, k_loaded, v_loaded, free, wg, batch, kv_head,
-                       split, row0, kv_len, key_lo, key_hi, lo, hi, n_steps):
+                       o_smem, lse_smem, q_loaded, k_loaded, v_loaded, free, page_flag, wg, batch,
+                       kv_head, split, row0, kv_len, key_lo, key_hi, lo, hi, n_steps):
     """The compute warpgroup with keys as the wgmma M axis and the n packed rows as N:
     S^T = K Q^T [block_kv, n], each row's softmax over axis 0, O^T += V^T P^T [head_dim, n]
     (P^T through shared memory, wgmma's B operand). The rows past plan.rows see whatever the
@@ -254,10 +298,13 @@ def _compute_keys_as_m(*, plan, tiles, q_ref, o_ref, lse_ref, q_smem, k_smem, v_
             seen_lo = jnp.maximum(seen_lo, kv_len - q_len - plan.window_left)
 
         def step(i, carry, masked: bool):
-            acc, m, l = carry
+            acc, m, l, *poison = carry
             j = lo + i
             slot = lax.rem(i, jnp.int32(stages))
             plgpu.barrier_wait(k_loaded.at[slot])
+            if page_flag is not None:
+                # Written by the copy warpgroup before its arrivals on k_loaded[slot].
+                poison = [poison[0] + page_flag(slot)[...]]
 
             def logits(s_ref):
                 plgpu.wgmma(s_ref, k_smem.at[slot], q_smem.at[0].T)
@@ -295,16 +342,19 @@ def _compute_keys_as_m(*, plan, tiles, q_ref, o_ref, lse_ref, q_smem, k_smem, v_
                 plgpu.commit_smem()
             acc = accumulate(acc, v_smem.at[slot].T, p_smem.T, interpret=plan.interpret)
             plgpu.barrier_arrive(free.at[slot])
-            return acc, m_new, l
+            return acc, m_new, l, *poison
 
         acc = plgpu.layout_cast(jnp.zeros((head_dim, n), jnp.float32), plgpu.Layout.WGMMA)
         m = plgpu.layout_cast(jnp.full((n,), -jnp.inf, jnp.float32),
                               plgpu.Layout.WGMMA.reduce(0))
         l = plgpu.layout_cast(jnp.zeros((n,), jnp.float32), plgpu.Layout.WGMMA.reduce(0))
+        poison = () if page_flag is None else (jnp.float32(0.0),)
         plgpu.barrier_wait(q_loaded.at[0])
-        acc, m, l = _online_softmax(step, (acc, m, l), lo=lo, full_lo=full_lo, full_hi=full_hi,
-                                    n_steps=n_steps)
+        acc, m, l, *poison = _online_softmax(step, (acc, m, l, *poison), lo=lo, full_lo=full_lo,
+                                             full_hi=full_hi, n_steps=n_steps)
         out, lse = _finish(acc, m, l, _bcast_cols, logit_scale)
+        if poison:
+            out, lse = _poisoned(out, lse, poison[0])
         lse_smem.at[0][...] = lse
         o_smem.at[0][...] = out
         plgpu.commit_smem()
@@ -324,6 +374,9 @@ def _kernel(*refs, plan, tiles: DecodeTiles, n_tiles: int):
      q_loaded, k_loaded, v_loaded, free, *extra) = rest
     v_clean = extra.pop(0) if tiles.compute_wgs > 1 else None
     p_smem = extra   # interpret mode only; with keys_as_m, P's staging buffer
+    # Paged: each slot's page flag, in the rows of lse_smem past the compute warpgroups' lse.
+    page_flag = (_page_flags(lse_smem, 1 if tiles.keys_as_m else tiles.compute_wgs,
+                             tiles.stages) if plan.paged else None)
     block_kv, stages, wgs = tiles.block_kv, tiles.stages, tiles.compute_wgs
     head_dim, q_len, group = plan.head_dim, plan.q_len, plan.group
     dtype = q_ref.dtype
@@ -349,14 +402,17 @@ def _kernel(*refs, plan, tiles: DecodeTiles, n_tiles: int):
     lo = lax.div(jnp.maximum(first, 0), jnp.int32(block_kv))
     hi = jnp.maximum(lax.div(key_hi + (block_kv - 1), jnp.int32(block_kv)), lo)
     n_steps = hi - lo
+    # The first key of the window (token 0's), or None: the pages before it are not read.
+    first_key = None if plan.window_left is None else kv_len - q_len - plan.window_left
 
     if tiles.keys_as_m:
         _compute_keys_as_m(
             plan=plan, tiles=tiles, q_ref=q_ref, o_ref=o_ref, lse_ref=lse_ref, q_smem=q_smem,
             k_smem=k_smem, v_smem=v_smem, p_smem=p_smem[0], o_smem=o_smem, lse_smem=lse_smem,
-            q_loaded=q_loaded, k_loaded=k_loaded, v_loaded=v_loaded, free=free, wg=wg,
-            batch=batch, kv_head=kv_head, split=split, row0=tile * keys_n(plan.rows),
-            kv_len=kv_len, key_lo=key_lo, key_hi=key_hi, lo=lo, hi=hi, n_steps=n_steps)
+            q_loaded=q_loaded, k_loaded=k_loaded, v_loaded=v_loaded, free=free,
+            page_flag=page_flag, wg=wg, batch=batch, kv_head=kv_head, split=split,
+            row0=tile * keys_n(plan.rows), kv_len=kv_len, key_lo=key_lo, key_hi=key_hi, lo=lo,
+            hi=hi, n_steps=n_steps)
 
     def _compute():
         row0 = (tile * wgs + wg) * WG_ROWS
@@ -419,10 +475,13 @@ def _kernel(*refs, plan, tiles: DecodeTiles, n_tiles: int):
             return jnp.where(ok, s, -jnp.inf)
 
         def step(i, carry, masked: bool):
-            acc, m, l = carry
+            acc, m, l, *poison = carry
             j = lo + i
             slot = lax.rem(i, jnp.int32(stages))
             plgpu.barrier_wait(k_loaded.at[slot])
+            if page_flag is not None:
+                # Written by the copy warpgroup before its arrivals on k_loaded[slot].
+                poison = [poison[0] + page_flag(slot)[...]]
 
             def logits(s_ref):
                 plgpu.wgmma(s_ref, my_q, k_smem.at[slot].T)
@@ -451,16 +510,19 @@ def _kernel(*refs, plan, tiles: DecodeTiles, n_tiles: int):
 
                 acc = pl.run_state(weighted_values)(plgpu.ACC.init(acc))
             plgpu.barrier_arrive(free.at[slot])
-            return acc, m_new, l
+            return acc, m_new, l, *poison
 
         acc = plgpu.layout_cast(jnp.zeros((WG_ROWS, head_dim), jnp.float32), plgpu.Layout.WGMMA)
         m = plgpu.layout_cast(jnp.full((WG_ROWS,), -jnp.inf, jnp.float32),
                               plgpu.Layout.WGMMA.reduce(1))
         l = plgpu.layout_cast(jnp.zeros((WG_ROWS,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+        poison = () if page_flag is None else (jnp.float32(0.0),)
         plgpu.barrier_wait(q_loaded.at[wg])
-        acc, m, l = _online_softmax(step, (acc, m, l), lo=lo, full_lo=full_lo, full_hi=full_hi,
-                                    n_steps=n_steps)
+        acc, m, l, *poison = _online_softmax(step, (acc, m, l, *poison), lo=lo, full_lo=full_lo,
+                                             full_hi=full_hi, n_steps=n_steps)
         out, lse = _finish(acc, m, l, _bcast_rows, logit_scale)
+        if poison:
+            out, lse = _poisoned(out, lse, poison[0])
         lse_smem.at[wg][...] = lse
         # Every store stays inside the outputs: whole 64-row pieces, then the last piece's
         # rows alone (a TMA box past the rows axis would reach the next cell's rows). O leaves
@@ -504,18 +566,37 @@ def _kernel(*refs, plan, tiles: DecodeTiles, n_tiles: int):
             page_size = plan.page_size
             # The last logical page that holds a key below kv_len (lo < hi implies kv_len > 0).
             last_page = lax.div(kv_len - 1, jnp.int32(page_size))
+
+            def checked(page):
+                """(page, outside): an id outside the cache (a traced table is not checked
+                before the call) is copied as page 0, so the TMA stays inside the cache."""
+                outside = (page < 0) | (page >= k_ref.shape[0])
+                return jnp.where(outside, 0, page), outside
+
             if page_size >= block_kv:
-                page = table_ref[batch, lax.div(j * block_kv, jnp.int32(page_size))]
-                rows = (page, pl.ds(lax.rem(j * block_kv, jnp.int32(page_size)), block_kv),
-                        kv_head)
-                plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot], k_loaded.at[slot])
-                plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot], v_loaded.at[slot])
-                return
-            per_block = block_kv // page_size
-            for piece in range(per_block):
-                page = table_ref[batch, jnp.minimum(j * per_block + piece, last_page)]
-                rows = (page, pl.ds(0, page_size), kv_head)
-                dst = pl.ds(piece * page_size, page_size)
+                # Block j holds a key in [first key of the window, kv_len): its page is read.
+                page, poisoned = checked(
+                    table_ref[batch, lax.div(j * block_kv, jnp.int32(page_size))])
+                offset = lax.rem(j * block_kv, jnp.int32(page_size))
+                copies = [((page, pl.ds(offset, block_kv), kv_head), slice(None))]
+            else:
+                per_block = block_kv // page_size
+                copies, poisoned = [], jnp.bool_(False)
+                for piece in range(per_block):
+                    logical = j * per_block + piece
+                    page, outside = checked(table_ref[batch, jnp.minimum(logical, last_page)])
+                    # A piece past the last page repeats it; one wholly before the window is
+                    # not read (its V rows are zeroed, its logits masked): neither is flagged.
+                    read = logical <= last_page
+                    if first_key is not None:
+                        read = read & ((logical + 1) * page_size > first_key)
+                    poisoned = poisoned | (outside & read)
+                    copies.append(((page, pl.ds(0, page_size), kv_head),
+                                   pl.ds(piece * page_size, page_size)))
+            # Before the copies: their arrivals on k_loaded[slot] (each a release) publish the
+            # flag to the compute warpgroups, whose wait on that barrier acquires it.
+            page_flag(slot)[...] = jnp.where(poisoned, jnp.float32(jnp.nan), jnp.float32(0.0))
+            for rows, dst in copies:
                 plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot, dst], k_loaded.at[slot])
                 plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot, dst], v_loaded.at[slot])
 
@@ -551,7 +632,7 @@ def partial(plan, q_packed, k_cache, v_cache, kv_lengths, block_table, *,
         plgpu.SMEM((tiles.stages, tiles.block_kv, head_dim), dtype),
         plgpu.SMEM((tiles.stages, tiles.block_kv, head_dim), dtype),
         plgpu.SMEM((wgs, WG_ROWS, _o_cols(head_dim)), jnp.float32),
-        plgpu.SMEM((wgs, WG_ROWS), jnp.float32),
+        plgpu.SMEM(lse_buffer_shape(plan, tiles), jnp.float32),
         plgpu.Barrier(num_barriers=wgs),
         plgpu.Barrier(num_arrivals=pieces, num_barriers=tiles.stages),
         plgpu.Barrier(num_arrivals=pieces, num_barriers=tiles.stages),
@@ -611,7 +692,7 @@ def _partial_keys_as_m(plan, tiles, q_packed, k_cache, v_cache, kv_lengths, bloc
         plgpu.SMEM((tiles.stages, tiles.block_kv, head_dim), dtype),
         plgpu.SMEM((tiles.stages, tiles.block_kv, head_dim), dtype),
         plgpu.SMEM((1, head_dim, n), jnp.float32),
-        plgpu.SMEM((1, n), jnp.float32),
+        plgpu.SMEM(lse_buffer_shape(plan, tiles), jnp.float32),
         plgpu.Barrier(num_barriers=1),
         plgpu.Barrier(num_arrivals=pieces, num_barriers=tiles.stages),
         plgpu.Barrier(num_arrivals=pieces, num_barriers=tiles.stages),

@@ -9,11 +9,17 @@ online softmax of forward.py in natural-log logits u and base 2 (c = log2 e):
     l_j = l_{j-1} alpha_j + rowsum(P_j),  acc_j = acc_{j-1} alpha_j + P_j V_j
 and writes O = acc / l and lse = m + ln(l), float32 (an empty chunk: O = 0, lse = -inf).
 A paged cache is read by a gather: each key row of a block takes its physical page from the
-block table, so a block may span several pages smaller than itself.
+block table, so a block may span several pages smaller than itself. In the masked blocks a key
+row outside [the window's first key, the chunk's end) reads 0 without looking at its table
+entry or its cache row, which may hold anything. A page id outside [0, num_pages) on a key row
+that is read (a traced block table is not checked before the call) is gathered as page 0, so
+the gather stays inside the cache, and the program adds NaN to its O and lse: every row of
+that sequence comes out NaN instead of an answer from the wrong page.
 
 Combine ("pallas_flash_decode_combine"). Grid: (batch, kv_heads * row tiles). Merges the splits
 exactly, one at a time: lse = log sum_s exp(lse_s), O = sum_s exp(lse_s - lse) O_s, with the
-weights taken against 0 while every split is empty, so such a row stays O = 0, lse = -inf.
+weights taken against 0 while every split is empty, so such a row stays O = 0, lse = -inf. A
+split whose lse is NaN (a page outside the cache) makes the row's O and lse NaN.
 """
 
 from __future__ import annotations
@@ -97,46 +103,75 @@ def _partial_kernel(*refs, plan, rows_pad: int, n_tiles: int, d_pad: int, block:
     row_pos = kv_len - plan.q_len + lax.div(_positions(row_start, rows_pad),
                                             jnp.int32(plan.group))
 
-    def load_kv(ref, start, masked, end):
+    chunk_end = jnp.minimum((split + 1) * plan.chunk, kv_len)
+    # The window's first key (token 0's): keys before it reach no row, so a masked block reads
+    # them as 0 (their cache rows, or their pages, may hold anything).
+    first_key = (None if plan.window_left is None
+                 else jnp.maximum(kv_len - plan.q_len - plan.window_left, 0))
+
+    def key_rows(start, masked):
+        """(rows, read): the block's key positions, and which of them hold keys this split
+        reads ([first_key, chunk_end)); None in an unmasked block, which lies wholly inside."""
         rows = _positions(start, block)
-        mask = None
-        if masked:
-            mask = (rows < end)[:, None]
+        if not masked:
+            return rows, None
+        read = rows < chunk_end
+        if first_key is not None:
+            read = read & (rows >= first_key)
+        return rows, read
+
+    def physical_pages(rows, read):
+        """(page, offset, outside): each key row's physical page from the block table and its
+        row there, and 1 where a page the split reads is outside the cache (a traced table is
+        not checked before the call), else 0. Such an id is read as page 0, so the gather stays
+        inside the cache, and `outside` makes every row of the program NaN. Rows not read
+        (past the chunk, before the window) take page 0 and are never flagged, whatever their
+        entry holds."""
+        logical = lax.div(rows, jnp.int32(plan.page_size))
+        # Rows past the chunk may index past the table: masked.
+        page = (plgpu.load(table_ref.at[logical]) if read is None
+                else plgpu.load(table_ref.at[logical], mask=read, other=0))
+        bad = (page < 0) | (page >= k_ref.shape[0])
+        return (jnp.where(bad, 0, page), rows - logical * plan.page_size,
+                jnp.max(bad.astype(jnp.int32)))
+
+    def load_kv(ref, start, read, pages):
+        mask = None if read is None else read[:, None]
         if cols is not None:
             mask = cols if mask is None else mask & cols
-        if table_ref is None:
+        if pages is None:
             view = ref.at[pl.ds(start, block), pl.ds(jnp.int32(0), d_pad)]
         else:
             # A gather: each key row finds its own physical page, so a block may span pages
-            # smaller than itself. Rows past `end` may index past the table: masked too.
-            page = lax.div(rows, jnp.int32(plan.page_size))
-            ok = rows < end
-            phys = (plgpu.load(table_ref.at[page], mask=ok, other=0) if masked
-                    else plgpu.load(table_ref.at[page]))
-            # Array indices on every axis (interpret mode gathers no mix of slices and arrays).
-            offset = rows - page * plan.page_size
-            view = ref.at[phys[:, None], offset[:, None],
+            # smaller than itself. Array indices on every axis (interpret mode gathers no mix
+            # of slices and arrays).
+            page, offset = pages
+            view = ref.at[page[:, None], offset[:, None],
                           jnp.arange(d_pad, dtype=jnp.int32)[None, :]]
         if mask is None:  # the lowering takes `other` only with a mask
             return plgpu.load(view)
         return plgpu.load(view, mask=mask, other=0.0)
 
-    chunk_end = jnp.minimum((split + 1) * plan.chunk, kv_len)
-
     def step(j, carry, masked):
-        acc, m, l = carry
+        acc, m, l, outside = carry
         start = j * block
-        # Positions at or past the chunk's end read 0: whatever a cache holds there (stale
-        # pages, NaN) never reaches P V.
-        k = load_kv(k_ref, start, masked, chunk_end)
-        v = load_kv(v_ref, start, masked, chunk_end)
+        rows, read = key_rows(start, masked)
+        pages = None
+        if table_ref is not None:
+            page, offset, bad = physical_pages(rows, read)
+            pages = (page, offset)
+            outside = jnp.maximum(outside, bad)
+        # Positions outside [first_key, chunk_end) read 0: whatever a cache holds there (stale
+        # rows, NaN) never reaches P V.
+        k = load_kv(k_ref, start, read, pages)
+        v = load_kv(v_ref, start, read, pages)
         # Logits in natural units (the scale applied to the tile, not folded into exp2): the
         # row max is then the max logit for any sign of scale.
         u = plgpu.dot(q, k, trans_b=True, precision=precision) * plan.scale
         if plan.softcap is not None:
             u = plan.softcap * jnp.tanh(u * (1.0 / plan.softcap))
         if masked:
-            k_pos = _positions(start, block)[None, :]
+            k_pos = rows[None, :]
             vis = (k_pos <= row_pos[:, None]) & (k_pos < chunk_end)
             if plan.window_left is not None:
                 vis = vis & (k_pos >= row_pos[:, None] - plan.window_left)
@@ -147,16 +182,23 @@ def _partial_kernel(*refs, plan, rows_pad: int, n_tiles: int, d_pad: int, block:
         p = jnp.exp2((u - m_safe[:, None]) * _LOG2E)
         l = l * alpha + jnp.sum(p, axis=1)
         acc = acc * alpha[:, None] + plgpu.dot(p.astype(v.dtype), v, precision=precision)
-        return acc, m_new, l
+        return acc, m_new, l, outside
 
     init = (jnp.zeros((rows_pad, d_pad), acc_dtype),
             jnp.full((rows_pad,), -jnp.inf, acc_dtype),
-            jnp.zeros((rows_pad,), acc_dtype))
-    acc, m, l = common.three_phase_loop(_bounds(plan, kv_len, split, block), step, init)
+            jnp.zeros((rows_pad,), acc_dtype),
+            jnp.int32(0))
+    acc, m, l, outside = common.three_phase_loop(_bounds(plan, kv_len, split, block), step, init)
     seen = l > 0
     out = acc / jnp.where(seen, l, 1.0)[:, None]
-    common.store_tile(o_ref, row_start, rows_pad, plan.rows, cols, out)
     lse = jnp.where(seen, jnp.where(seen, m, 0.0) + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)
+    if table_ref is not None:
+        # NaN + x is NaN: a page outside the cache poisons every row's O and lse, never leaving
+        # a finite answer computed from page 0.
+        poison = jnp.where(outside > 0, jnp.float32(jnp.nan), jnp.float32(0.0))
+        out = out + poison
+        lse = lse + poison
+    common.store_tile(o_ref, row_start, rows_pad, plan.rows, cols, out)
     ok = _positions(row_start, rows_pad) < plan.rows
     plgpu.store(lse_ref.at[pl.ds(row_start, rows_pad)], lse.astype(lse_ref.dtype), mask=ok)
 
@@ -234,11 +276,15 @@ def _combine_kernel(o_ref, lse_ref, out_ref, out_lse_ref, *, plan, split_block: 
 
     init = (jnp.zeros((d_pad,), jnp.float32), jnp.float32(-jnp.inf), jnp.float32(0.0))
     acc, top, total = lax.fori_loop(0, pl.cdiv(plan.num_splits, split_block), add, init)
-    seen = total > 0
-    out = acc / jnp.where(seen, total, 1.0)
+    # A NaN split lse (a page outside the cache) makes its weight NaN whatever the max made of
+    # it, and NaN stays NaN through every later `* old` and `+`: total and acc end NaN. Only a
+    # total of exactly 0 is an empty row, so the NaN reaches O and lse (a `total > 0` test
+    # would turn it into an empty row's -inf).
+    empty = total == 0.0
+    out = acc / jnp.where(empty, 1.0, total)
     plgpu.store(out_ref.at[row, all_cols], out.astype(out_ref.dtype), mask=cols)
-    lse = jnp.where(seen, jnp.where(seen, top, 0.0) + jnp.log(jnp.where(seen, total, 1.0)),
-                    -jnp.inf)
+    lse = jnp.where(empty, -jnp.inf,
+                    jnp.where(top == -jnp.inf, 0.0, top) + jnp.log(jnp.where(empty, 1.0, total)))
     plgpu.store(out_lse_ref.at[pl.ds(row, 1)], lse[None])
 
 
