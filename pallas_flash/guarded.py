@@ -20,13 +20,11 @@ every row whose O holds an inf or NaN with r = NaN (mosaic/forward.py), so the c
 one float a row, instead of V (head_dim times as many values, and V's read is a pass of its
 own). A row with a non-finite q or k gets r = NaN too and also sends the call to Triton, which
 gives the same NaNs; no healthy row has r = NaN (r is log2 of a positive sum, or -inf for a
-row that sees no key). The backward does the same where the fused Mosaic kernel serves it
-(head_dim 64 and 128): that kernel marks every key whose dK, dV or K row holds an inf or NaN,
-which every non-finite operand reaches, hidden or not (mosaic/fused_backward.py), and the check
-reads the marks, one float a key. The two-kernel Mosaic backward marks nothing, so there the
-check reads its operands: q, k, v and the preprocess's D (D = rowsum(dO * O) - dlse is
-non-finite wherever dO is: inf * 0 and NaN both give NaN, so D stands in for dO at a
-thousandth of its size; a D that overflows only sends the call to the Triton kernels).
+row that sees no key). The backward does the same: the Mosaic backward kernels mark every key
+whose dK or dV holds an inf or NaN and (two-kernel path) every query whose dQ does, or (fused
+kernel) every key whose K row does, which every non-finite operand the kernels read reaches,
+hidden or not (mosaic/backward.py, `backward_checked`); the check reads those marks, one float
+a row, instead of q, k, v and dO.
 
 Both kernels are launched, the Triton one predicated on the flag (triton.common.predicated):
 when the check passes its programs return at once, and its outputs, aliased to the Mosaic
@@ -51,13 +49,7 @@ from pallas_flash.stats import output_dot
 from pallas_flash.triton import backward as triton_backward
 from pallas_flash.triton import forward as triton_forward
 
-__all__ = ["all_finite", "backward", "forward"]
-
-
-def all_finite(*arrays) -> jnp.ndarray:
-    """One boolean scalar: every entry of every array is finite."""
-    flags = [jnp.isfinite(x).all() for x in arrays]
-    return flags[0] if len(flags) == 1 else jnp.stack(flags).all()
+__all__ = ["backward", "forward"]
 
 
 def _predicated(check, fast, safe):
@@ -102,13 +94,12 @@ def forward(spec: AttentionSpec, q, k, v, q_ids=None, kv_ids=None, sinks=None):
 
 def backward(spec: AttentionSpec, q, k, v, out, stats, do, dlse, q_ids=None, kv_ids=None, *,
              delta=None):
-    """(dq, dk, dv): the Mosaic backward's when it met no inf or NaN, else the Triton one's.
+    """(dq, dk, dv): the Mosaic backward's when no inf or NaN reached them, else the Triton
+    one's.
 
-    The fused kernel's marks say whether it met one; on the two-kernel path the check reads
-    q, k, v and D instead. A non-finite O or row statistic follows from a non-finite q, k or v
-    (O is a convex combination of v), so those are not checked separately; dlse enters D with
-    dO (module docstring). Both backwards take this D, formed once (here, unless the caller
-    has it).
+    The kernels' marks say whether one did (module docstring); O, the row statistics and dlse
+    enter the kernels through D = rowsum(dO * O) - dlse, which both backwards take, formed once
+    (here, unless the caller has it).
     """
     if delta is None:
         delta = output_dot(out, do, dlse, jnp.float32)
@@ -117,9 +108,8 @@ def backward(spec: AttentionSpec, q, k, v, out, stats, do, dlse, q_ids=None, kv_
         return mosaic_backward.backward_checked(spec, q, k, v, out, stats, do, dlse, q_ids,
                                                 kv_ids, delta=delta)
 
-    def check(into, q, k, v, *rest):
-        clean = into[1]
-        return all_finite(q, k, v, rest[-1]) if clean is None else jnp.all(clean)
+    def check(into, *_):
+        return jnp.all(into[1])
 
     def safe(skip, into, q, k, v, out, stats, do, dlse, q_ids, kv_ids, delta):
         return triton_backward.backward(spec, q, k, v, out, stats, do, dlse, q_ids, kv_ids,

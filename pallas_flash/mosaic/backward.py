@@ -122,8 +122,8 @@ def _with_segment_refs(body):
 
 
 def _dkdv_body(q_ref, k_ref, v_ref, do_ref, st_ref, q_ids_ref, kv_ids_ref, cta_seg_ref,
-               wg_seg_ref, dk_ref, dv_ref,
-               k_smem, v_smem, q_smem, do_smem, st_smem,
+               wg_seg_ref, dk_ref, dv_ref, marks_ref,
+               k_smem, v_smem, q_smem, do_smem, st_smem, mark_smem,
                k_loaded, v_loaded, q_loaded, do_loaded, st_loaded, slot_free, halves_done,
                *extra_smem,
                spec: AttentionSpec, cfg: MosaicBackwardConfig, group: int, head_dim: int,
@@ -300,15 +300,23 @@ def _dkdv_body(q_ref, k_ref, v_ref, do_ref, st_ref, q_ids_ref, kv_ids_ref, cta_s
         if paired:
             plgpu.barrier_wait(pt_free if split == 0 else ds_free)
         dk = dk * bcast_rows(fk * spec.scale, dk.shape)
+        dk, dv = dk.astype(dtype), dv.astype(dtype)
+
+        # The keys' marks (`backward_checked`): 0 * x is 0 for a finite x and NaN for an inf or
+        # NaN, so a row sum is NaN where the key's dK or dV columns hold one.
+        mark_smem.at[wg][...] = (jnp.sum(dk.astype(jnp.float32) * 0.0, axis=1)
+                                 + jnp.sum(dv.astype(jnp.float32) * 0.0, axis=1))
+        mark_rows = marks_ref.at[batch, kv_head, split, pl.ds(key0, WG_ROWS)]
 
         # K and V are no longer read: their buffers carry dK and dV out.
         rows = (batch, pl.ds(key0, WG_ROWS), kv_head)
         if splits == 1:
-            my_k[...] = dk.astype(dtype)
-            my_v[...] = dv.astype(dtype)
+            my_k[...] = dk
+            my_v[...] = dv
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(my_k, dk_ref.at[rows])
             plgpu.copy_smem_to_gmem(my_v, dv_ref.at[rows])
+            plgpu.copy_smem_to_gmem(mark_smem.at[wg], mark_rows)
             plgpu.wait_smem_to_gmem(0)
             return
 
@@ -319,10 +327,11 @@ def _dkdv_body(q_ref, k_ref, v_ref, do_ref, st_ref, q_ids_ref, kv_ids_ref, cta_s
             plgpu.barrier_wait(halves_done)
 
         both_arrived()
-        my_k.at[:, pl.ds(col_k, cols_k)][...] = dk.astype(dtype)
-        my_v.at[:, pl.ds(col_v, cols_v)][...] = dv.astype(dtype)
+        my_k.at[:, pl.ds(col_k, cols_k)][...] = dk
+        my_v.at[:, pl.ds(col_v, cols_v)][...] = dv
         plgpu.commit_smem()
         both_arrived()
+        plgpu.copy_smem_to_gmem(mark_smem.at[wg], mark_rows)  # awaited with dK's or dV's store
 
         @pl.when(wg == 0)
         def _():
@@ -362,7 +371,7 @@ def _dkdv_body(q_ref, k_ref, v_ref, do_ref, st_ref, q_ids_ref, kv_ids_ref, cta_s
 # ---- dQ ---------------------------------------------------------------------------------------
 
 def _dq_body(q_ref, k_ref, v_ref, do_ref, st_ref, q_ids_ref, kv_ids_ref, cta_seg_ref,
-             wg_seg_ref, dq_ref,
+             wg_seg_ref, dq_ref, marks_ref,
              q_smem, do_smem, st_smem, k_smem, v_smem,
              own_loaded, k_loaded, v_loaded, k_free, v_free, *stage_smem,
              spec: AttentionSpec, cfg: MosaicBackwardConfig, group: int, n_tiles: int,
@@ -457,10 +466,14 @@ def _dq_body(q_ref, k_ref, v_ref, do_ref, st_ref, q_ids_ref, kv_ids_ref, cta_seg
         carry = lax.fori_loop(full_hi, hi, functools.partial(step, masked=True), carry)
         lax.fori_loop(hi, cta_hi, drain, None)
         dq, fq = carry
-        dq = dq * bcast_rows(fq * spec.scale, dq.shape)
-        my_q[...] = dq.astype(dtype)  # Q is no longer read: its buffer carries dQ out
+        dq = (dq * bcast_rows(fq * spec.scale, dq.shape)).astype(dtype)
+        my_q[...] = dq  # Q is no longer read: its buffer carries dQ out
+        # The queries' marks (`backward_checked`), staged in this warpgroup's own statistics
+        # buffer, which no step reads any more.
+        my_st.at[0][...] = jnp.sum(dq.astype(jnp.float32) * 0.0, axis=1)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(my_q, dq_ref.at[rows])
+        plgpu.copy_smem_to_gmem(my_st.at[0], marks_ref.at[batch, head, pl.ds(q0, WG_ROWS)])
         plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == wgs)
@@ -521,10 +534,16 @@ def backward(spec: AttentionSpec, q, k, v, out, stats: RowStats, do, dlse, q_ids
 
 def backward_checked(spec: AttentionSpec, q, k, v, out, stats: RowStats, do, dlse, q_ids=None,
                      kv_ids=None, *, config: MosaicBackwardConfig | None = None, delta=None):
-    """((dq, dk, dv), clean): `backward`'s gradients, and where the fused kernel serves the
-    call, a boolean scalar that is True when that kernel met no inf or NaN in any operand it
-    read, also at positions the mask hides (its per-key marks, fused_backward.fused_backward);
-    None on the two-kernel path, which marks nothing.
+    """((dq, dk, dv), clean): `backward`'s gradients, and a boolean scalar that is True when
+    no inf or NaN reached them from any operand the kernels read, also from positions the mask
+    hides (guarded.py reads it).
+
+    clean comes from marks the kernels write beside their gradients, one float a row: the fused
+    kernel's per key (fused_backward.fused_backward); here the dK/dV kernel's per key and
+    column split, NaN where the key's dK or dV holds an inf or NaN, and the dQ kernel's per
+    query, from dQ. Every non-finite entry these kernels read reaches one of those gradients:
+    q through dK = dS^T Q, k through dQ = dS K, v through dP and so dS, dO through dV = P^T dO
+    and dS, D through dS, each also where the mask sets P to 0 (0 * inf is NaN).
     """
     batch, seq_q, q_heads, head_dim = q.shape
     seq_kv, kv_heads, head_dim_v = k.shape[1], k.shape[2], v.shape[3]
@@ -571,6 +590,7 @@ def backward_checked(spec: AttentionSpec, q, k, v, out, stats: RowStats, do, dls
         plgpu.SMEM((st, bq, head_dim), dtype),                 # Q
         plgpu.SMEM((st, bq, head_dim_v), dtype),               # dO
         plgpu.SMEM((st, 3, bq), jnp.float32),
+        plgpu.SMEM((wgs, WG_ROWS), jnp.float32),               # the keys' marks
         plgpu.Barrier(num_barriers=row_tiles),
         plgpu.Barrier(num_barriers=row_tiles),
         plgpu.Barrier(num_barriers=st),
@@ -593,10 +613,13 @@ def backward_checked(spec: AttentionSpec, q, k, v, out, stats: RowStats, do, dls
             kv_ids, q_ids, n_kv_tiles * block_kv, pl.cdiv(seq_q, bq) * bq, cta_rows=block_kv,
             n_ctas=n_kv_tiles, block_col=bq, pad_row_id=PAD_KEY_ID, pad_col_id=PAD_QUERY_ID)
         args += [q_ids_p, kv_ids_p, cta, wg]
-    dk, dv = plgpu.kernel(
+    splits = cfg.dkdv_col_splits(head_dim)
+    dk, dv, dkdv_marks = plgpu.kernel(
         functools.partial(_with_segment_refs(_dkdv_body), spec=spec, cfg=cfg, group=group,
                           head_dim=head_dim, head_dim_v=head_dim_v, order=orders[0]),
-        out_type=(jax.ShapeDtypeStruct(k.shape, dtype), jax.ShapeDtypeStruct(v.shape, dtype)),
+        out_type=(jax.ShapeDtypeStruct(k.shape, dtype), jax.ShapeDtypeStruct(v.shape, dtype),
+                  jax.ShapeDtypeStruct((batch, kv_heads, splits, n_kv_tiles * block_kv),
+                                       jnp.float32)),
         scratch_types=scratch,
         **orders[0].params(),
         num_threads=wgs + 1,
@@ -631,10 +654,12 @@ def backward_checked(spec: AttentionSpec, q, k, v, out, stats: RowStats, do, dls
             cta_rows=cfg.dq_block_q(), n_ctas=n_tiles, block_col=bkv, pad_row_id=PAD_QUERY_ID,
             pad_col_id=PAD_KEY_ID)
         args += [q_ids_p, kv_ids_p, cta, wg]
-    dq = plgpu.kernel(
+    dq, dq_marks = plgpu.kernel(
         functools.partial(_with_segment_refs(_dq_body), spec=spec, cfg=cfg, group=group,
                           n_tiles=n_tiles, head_dim=head_dim, order=orders[1]),
-        out_type=jax.ShapeDtypeStruct(q.shape, dtype),
+        out_type=(jax.ShapeDtypeStruct(q.shape, dtype),
+                  jax.ShapeDtypeStruct((batch, q_heads, n_tiles * cfg.dq_block_q()),
+                                       jnp.float32)),
         scratch_types=scratch,
         **orders[1].params(),
         num_threads=wgs + 1,
@@ -643,4 +668,5 @@ def backward_checked(spec: AttentionSpec, q, k, v, out, stats: RowStats, do, dls
         interpret=interpret_params(spec.interpret, wgs + 1),
         kernel_name=DQ_KERNEL_NAME,
     )(*args)
-    return (dq[:, :seq_q], dk[:, :seq_kv], dv[:, :seq_kv]), None
+    clean = ~(jnp.isnan(dkdv_marks).any() | jnp.isnan(dq_marks).any())
+    return (dq[:, :seq_q], dk[:, :seq_kv], dv[:, :seq_kv]), clean

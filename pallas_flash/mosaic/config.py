@@ -355,7 +355,8 @@ class MosaicBackwardConfig:
         # dtype, the float16 row scales.
         paired = (WG_ROWS * self.dkdv_block_q * (4 + itemsize) + WG_ROWS * 4
                   if self.dkdv_pairs(head_dim) else 0)
-        return kv + stream + paired + SMEM_RESERVED
+        marks = self.dkdv_compute_wgs() * WG_ROWS * 4
+        return kv + stream + paired + marks + SMEM_RESERVED
 
     def dq_smem_bytes(self, head_dim: int, itemsize: int = 2,
                       head_dim_v: int | None = None) -> int:
