@@ -76,30 +76,29 @@ def test_checked_backward_marks_every_nonfinite_operand(poison, path, d, d_v, dt
 
 
 @needs_hopper
-@pytest.mark.parametrize("poison", ["k", "do"])
+@pytest.mark.parametrize("poison", ["k", "do", None])
 def test_two_kernel_marks_a_value_only_one_kernel_meets(poison):
     """A NaN that reaches one kernel's gradients only, each kernel's marks tested alone (with
     either left out of the flag, one case fails). "k": key 110's segment holds no query, so
     every query masks it (P = dS = 0: dK, dV finite), but the dQ kernel's dS K still meets its
     NaN (0 * NaN). "do": query 20's segment holds no key (P = 0, and dS = 0: dQ finite), but
-    the dK/dV kernel's P^T dO meets it."""
+    the dK/dV kernel's P^T dO meets it. None: the same segments with clean operands leave
+    every mark clear, the empty query and key included."""
     b, s, hq, hkv, d, dtype = 1, 128, 2, 1, 64, jnp.bfloat16
     q, k, v, do = random_inputs(jax.random.PRNGKey(59), b, s, s, hq, hkv, d, dtype)
     dlse = jax.random.normal(jax.random.PRNGKey(60), (b, hq, s), jnp.float32)
     q_ids = kv_ids = jnp.zeros((b, s), jnp.int32)
-    if poison == "k":
-        kv_ids = kv_ids.at[0, 110].set(1)
-    else:
-        q_ids = q_ids.at[0, 20].set(1)
+    kv_ids = kv_ids.at[0, 110].set(1)
+    q_ids = q_ids.at[0, 20].set(2)
     spec = make_spec(s, s, d, dtype, has_segments=True)
     out, stats = triton_forward.forward(spec, q, k, v, q_ids, kv_ids)
     if poison == "k":
         k = k.at[0, 110, 0, 3].set(jnp.nan)
-    else:
+    elif poison == "do":
         do = do.at[0, 20, 0, 3].set(jnp.nan)
     grads, clean = jax.jit(lambda *a: mosaic.backward_checked(spec, *a))(
         q, k, v, out, stats, do, dlse, q_ids, kv_ids)
-    reached = {"k": "dq", "do": "dv"}[poison]
+    reached = {"k": "dq", "do": "dv", None: None}[poison]
     for name, g in zip(("dq", "dk", "dv"), grads):
         assert np.isnan(np.asarray(g, np.float32)).any() == (name == reached), name
-    assert not bool(clean)
+    assert bool(clean) == (poison is None)
