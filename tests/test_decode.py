@@ -55,6 +55,34 @@ def gather_pages(cache, table):
     return pages.reshape(b, p * s, h, d)
 
 
+def check_traced_bad_pages(q, cache, lengths, options, bad, ignored, **call):
+    """decode_attention under jit on make_cache's paged `cache` whose table has page ids
+    outside the cache at the (sequence, page, "past" | "minus") entries of `bad` and `ignored`:
+    the sequences in `bad` must come out with all-NaN O and lse, the others match the
+    reference. `call` goes to decode_attention (backend, interpret)."""
+    k_cache, v_cache, table, k, v = cache
+    # Zeros, not NaN, in the pages no sequence uses: a read of a page outside the cache that
+    # lands on one (an index that wraps or clamps) may not pass for the NaN asked for here.
+    k_cache, v_cache = jnp.nan_to_num(k_cache), jnp.nan_to_num(v_cache)
+    ids = {"past": k_cache.shape[0], "minus": -1}
+    table = np.array(table)
+    for b, p, value in bad + ignored:
+        table[b, p] = ids[value]
+    kv_lengths = jnp.array(lengths, jnp.int32)
+    step = jax.jit(lambda t, n: pf.decode_attention(q, k_cache, v_cache, kv_lengths=n,
+                                                    block_table=t, return_lse=True, **options,
+                                                    **call))
+    out, lse = step(jnp.asarray(table), kv_lengths)
+    poisoned = sorted({b for b, _, _ in bad})
+    for b in poisoned:
+        assert np.isnan(np.asarray(out[b], np.float32)).all(), f"sequence {b}: O is not all NaN"
+        assert np.isnan(np.asarray(lse[b])).all(), f"sequence {b}: lse is not all NaN"
+    good = np.array([b for b in range(q.shape[0]) if b not in poisoned])
+    ref_opts = {name: value for name, value in options.items() if name != "num_splits"}
+    ref_out, ref_lse = reference(q, k, v, kv_lengths, **ref_opts)
+    check(out[good], lse[good], ref_out[good], ref_lse[good], q.dtype)
+
+
 def reference(q, k, v, kv_lengths, **opts):
     """reference_attention in float32 with each sequence's keys moved to the end of the array."""
     max_len = k.shape[1]
@@ -441,24 +469,5 @@ def test_traced_page_outside_the_cache_gives_nan(lengths, options, bad, ignored)
     dtype = jnp.float32
     kq, kc = jax.random.split(jax.random.PRNGKey(30))
     q = _normal(kq, (batch, q_len, q_heads, d), dtype)
-    k_cache, v_cache, table, k, v = make_cache(kc, batch, max_len, kv_heads, d, dtype, page)
-    # Zeros, not NaN, in the pages no sequence uses: a read of a page outside the cache that
-    # lands on one (an index that wraps or clamps) may not pass for the NaN asked for here.
-    k_cache, v_cache = jnp.nan_to_num(k_cache), jnp.nan_to_num(v_cache)
-    num_pages = k_cache.shape[0]
-    ids = {"past": num_pages, "minus": -1}
-    table = np.array(table)
-    for b, p, value in bad + ignored:
-        table[b, p] = ids[value]
-    kv_lengths = jnp.array(lengths, jnp.int32)
-    step = jax.jit(lambda t, n: pf.decode_attention(q, k_cache, v_cache, kv_lengths=n,
-                                                    block_table=t, return_lse=True, **options))
-    out, lse = step(jnp.asarray(table), kv_lengths)
-    poisoned = sorted({b for b, _, _ in bad})
-    for b in poisoned:
-        assert np.isnan(np.asarray(out[b])).all(), f"sequence {b}: O is not all NaN"
-        assert np.isnan(np.asarray(lse[b])).all(), f"sequence {b}: lse is not all NaN"
-    good = np.array([b for b in range(batch) if b not in poisoned])
-    options.pop("num_splits")
-    ref_out, ref_lse = reference(q, k, v, kv_lengths, **options)
-    check(out[good], lse[good], ref_out[good], ref_lse[good], dtype)
+    cache = make_cache(kc, batch, max_len, kv_heads, d, dtype, page)
+    check_traced_bad_pages(q, cache, lengths, options, bad, ignored)

@@ -21,7 +21,7 @@ from helpers import kernel_names
 from pallas_flash import decode
 from pallas_flash.mosaic import decode as mosaic
 from pallas_flash.mosaic.config import SMEM_LIMIT
-from test_decode import _normal, check, make_cache, reference
+from test_decode import _normal, check, check_traced_bad_pages, make_cache, reference
 
 compiled_only = pytest.mark.skipif(not IS_HOPPER, reason="the Mosaic GPU kernels run compiled "
                                    "on sm_90 (on the CPU: the lowering and interpret tests)")
@@ -313,26 +313,6 @@ def test_traced_page_outside_the_cache_gives_nan(head_dim, page_size, lengths, o
     dtype, batch, q_len, q_heads, kv_heads, max_len = jnp.bfloat16, 2, 2, 4, 1, 256
     kq, kc = jax.random.split(jax.random.PRNGKey(head_dim + page_size))
     q = _normal(kq, (batch, q_len, q_heads, head_dim), dtype)
-    k_cache, v_cache, table, k, v = make_cache(kc, batch, max_len, kv_heads, head_dim, dtype,
-                                               page_size)
-    # Zeros, not NaN, in the pages no sequence uses: a read of a page outside the cache that
-    # lands on one (an index that wraps or clamps) may not pass for the NaN asked for here.
-    k_cache, v_cache = jnp.nan_to_num(k_cache), jnp.nan_to_num(v_cache)
-    num_pages = k_cache.shape[0]
-    ids = {"past": num_pages, "minus": -1}
-    table = np.array(table)
-    for b, p, value in bad + ignored:
-        table[b, p] = ids[value]
-    kv_lengths = jnp.array(lengths, jnp.int32)
-    step = jax.jit(lambda t, n: pf.decode_attention(
-        q, k_cache, v_cache, kv_lengths=n, block_table=t, return_lse=True, backend="mosaic",
-        interpret=None if IS_HOPPER else True, **options))
-    out, lse = step(jnp.asarray(table), kv_lengths)
-    poisoned = sorted({b for b, _, _ in bad})
-    for b in poisoned:
-        assert np.isnan(np.asarray(out[b], np.float32)).all(), f"sequence {b}: O is not all NaN"
-        assert np.isnan(np.asarray(lse[b])).all(), f"sequence {b}: lse is not all NaN"
-    good = np.array([b for b in range(batch) if b not in poisoned])
-    options.pop("num_splits")
-    ref_out, ref_lse = reference(q, k, v, kv_lengths, **options)
-    check(out[good], lse[good], ref_out[good], ref_lse[good], dtype)
+    cache = make_cache(kc, batch, max_len, kv_heads, head_dim, dtype, page_size)
+    check_traced_bad_pages(q, cache, lengths, options, bad, ignored, backend="mosaic",
+                           interpret=None if IS_HOPPER else True)

@@ -45,7 +45,7 @@ from pallas_flash.mosaic.common import (clamp_range, interpret_params, logit_uni
 from pallas_flash.mosaic.config import (SMEM_LIMIT, WG_ROWS, MosaicBackwardConfig,
                                        default_backward_config)
 from pallas_flash.mosaic.tiles import (accumulate, bcast_cols, bcast_rows, cast_rows, idiv,
-                                      matmul, positions, product, row_vector,
+                                      matmul, nonfinite_rows, positions, product, row_vector,
                                       transposed_probabilities,
                                       transposed_score_grads, transposed_weights, zeros_acc)
 from pallas_flash.mosaic.schedule import TileGrid, backward_orders, grid_position
@@ -302,10 +302,9 @@ def _dkdv_body(q_ref, k_ref, v_ref, do_ref, st_ref, q_ids_ref, kv_ids_ref, cta_s
         dk = dk * bcast_rows(fk * spec.scale, dk.shape)
         dk, dv = dk.astype(dtype), dv.astype(dtype)
 
-        # The keys' marks (`backward_checked`): 0 * x is 0 for a finite x and NaN for an inf or
-        # NaN, so a row sum is NaN where the key's dK or dV columns hold one.
-        mark_smem.at[wg][...] = (jnp.sum(dk.astype(jnp.float32) * 0.0, axis=1)
-                                 + jnp.sum(dv.astype(jnp.float32) * 0.0, axis=1))
+        # The keys' marks (`backward_checked`): NaN where the key's dK or dV columns hold an
+        # inf or NaN.
+        mark_smem.at[wg][...] = nonfinite_rows(dk, dv)
         mark_rows = marks_ref.at[batch, kv_head, split, pl.ds(key0, WG_ROWS)]
 
         # K and V are no longer read: their buffers carry dK and dV out.
@@ -470,7 +469,7 @@ def _dq_body(q_ref, k_ref, v_ref, do_ref, st_ref, q_ids_ref, kv_ids_ref, cta_seg
         my_q[...] = dq  # Q is no longer read: its buffer carries dQ out
         # The queries' marks (`backward_checked`), staged in this warpgroup's own statistics
         # buffer, which no step reads any more.
-        my_st.at[0][...] = jnp.sum(dq.astype(jnp.float32) * 0.0, axis=1)
+        my_st.at[0][...] = nonfinite_rows(dq)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(my_q, dq_ref.at[rows])
         plgpu.copy_smem_to_gmem(my_st.at[0], marks_ref.at[batch, head, pl.ds(q0, WG_ROWS)])

@@ -41,6 +41,15 @@ def cast_rows(x, scale, dtype):
     return x.astype(dtype), scale / scale_new, scale_new
 
 
+def nonfinite_rows(*tiles):
+    """float32 per row: 0 where every tile's row is finite, NaN where one holds an inf or NaN
+    (0 * x is 0 for a finite x and NaN otherwise): the backward's marks (guarded.py)."""
+    marks = None
+    for tile in tiles:
+        row = jnp.sum(tile.astype(jnp.float32) * 0.0, axis=1)
+        marks = row if marks is None else marks + row
+    return marks
+
 # No layout hints here (forward.py says why): the wgmmas fix every layout.
 def row_vector(value, n):
     return jnp.full((n,), value, jnp.float32)
