@@ -127,6 +127,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--q-heads", type=int, default=32)
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=128)
+    return add_run_arguments(p)
+
+
+def add_run_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """--seed and --out, which every trace script takes."""
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=".", help="folder for the JSON (and, briefly, the traces)")
     return p
@@ -134,17 +139,27 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> dict:
     args = build_parser().parse_args(argv)
+    return run_cases("decode_trace", args.cases.split(","), capture, args, argv)
+
+
+def run_cases(tool: str, cases: list[str], capture, args, argv) -> dict:
+    """capture(case, args) for every case, each printed as it ends, then `write_report`."""
     os.makedirs(args.out, exist_ok=True)
     rows = []
-    for case in args.cases.split(","):
+    for case in cases:
         rows.append(capture(case, args))
         print(format_case(rows[-1]), flush=True)
+    return write_report(tool, args.out, rows, argv)
+
+
+def write_report(tool: str, out: str, rows: list[dict], argv) -> dict:
+    """{"meta", "cases": rows}, written to <out>/<tool>_<time>.json (and returned)."""
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
     report = {"meta": {"device_kind": jax.devices()[0].device_kind,
                        "backend": jax.default_backend(), "jax_version": jax.__version__,
                        "date_utc": stamp, "argv": sys.argv[1:] if argv is None else argv},
               "cases": rows}
-    path = os.path.join(args.out, f"decode_trace_{stamp}.json")
+    path = os.path.join(out, f"{tool}_{stamp}.json")
     with open(path, "w") as f:
         json.dump(report, f, indent=1)
     print(f"json: {path}")

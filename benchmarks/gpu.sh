@@ -14,6 +14,9 @@
 #                                                 transfers run under its kernels, from a trace)
 #   bash benchmarks/gpu.sh train-step [ARGS]      python -m pallas_flash.bench.train_step (a
 #                                                 Llama-style training step, attention swapped)
+#   bash benchmarks/gpu.sh step-trace [ARGS]      benchmarks/step_trace.py (the kernels of an
+#                                                 attention call, forward, backward or both, and
+#                                                 their times, from a trace)
 #   bash benchmarks/gpu.sh decode-trace [ARGS]    benchmarks/decode_trace.py (the kernels of one
 #                                                 decoding step and their times, from a trace)
 #
@@ -109,6 +112,10 @@ decode_trace() {
   run_logged decode_trace "${LIMIT:-590}" python3 benchmarks/decode_trace.py --out "$RESULTS" "$@"
 }
 
+step_trace() {
+  run_logged step_trace "${LIMIT:-590}" python3 benchmarks/step_trace.py --out "$RESULTS" "$@"
+}
+
 ring_trace() {
   run_logged ring_trace "${LIMIT:-590}" python3 benchmarks/ring_trace.py --out "$RESULTS" "$@"
 }
@@ -116,7 +123,7 @@ ring_trace() {
 COMMAND=${1:-}
 shift || true
 case "$COMMAND" in
-  suite|bench|tune|profile|huge|scaling|train-step|ring-trace|decode-trace)
+  suite|bench|tune|profile|huge|scaling|train-step|ring-trace|step-trace|decode-trace)
     source "$(dirname "$0")/gpu_common.sh"
     record_gpus
     "${COMMAND//-/_}" "$@"
