@@ -76,10 +76,11 @@ def training_step(seq_q, seq_kv, q_heads, kv_heads, head_dim, dtype, head_dim_v=
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32],
                          ids=lambda d: jnp.dtype(d).name)
-@pytest.mark.parametrize("head_dim", [16, 32, 48, 64, 72, 80, 96, 112, 128, 160, 192, 200, 256])
+@pytest.mark.parametrize("head_dim", [1, 16, 24, 32, 48, 64, 72, 80, 96, 112, 128, 160, 192, 200,
+                                      256])
 def test_training_step_lowers_at_every_head_dim(head_dim, dtype):
     """Default tiles, causal, 1000 tokens (no tile multiple): head dims that are powers of two
-    and ones that are padded to the next (72, 200), in each dtype the Triton kernels take."""
+    and ones padded to the next (1, 24, 72, 200), in each dtype the Triton kernels take."""
     step, args = training_step(1000, 1000, 4, 2, head_dim, dtype, causal=True)
     assert triton_kernels(step, *args) == TRAINING
 
