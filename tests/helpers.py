@@ -143,6 +143,21 @@ def check_against_reference(q, k, v, do, *, key=None, tol=None, **kwargs):
     return out, lse, grads
 
 
+# An H200 to lower for without a GPU: Pallas's Triton lowering asks the device for its compute
+# capability, and an abstract mesh's device answers in place of the local one (Mosaic GPU needs
+# no device at all).
+ABSTRACT_H200 = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132,
+                                            platform="gpu")
+
+
+def lower_for_sm90(fn, *args) -> str:
+    """The text of fn's jitted program lowered for the cuda platform as for an H200."""
+    # Auto axes: an explicit one would put its sharding into the traced types.
+    mesh = jax.sharding.AbstractMesh((1,), ("x",), axis_types=(AxisType.Auto,),
+                                     abstract_device=ABSTRACT_H200)
+    with jax.sharding.use_abstract_mesh(mesh):
+        return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
 def all_eqns(jaxpr):
     """Every equation of jaxpr and of the jaxprs nested in it."""
     import jax.extend

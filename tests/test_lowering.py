@@ -15,6 +15,7 @@ import pytest
 
 import pallas_flash as pf
 from backends import IS_HOPPER, ON_GPU
+from helpers import lower_for_sm90
 from pallas_flash import attention
 from pallas_flash.mosaic import backward as mosaic_backward
 from pallas_flash.mosaic import forward as mosaic_forward
@@ -48,3 +49,30 @@ def test_training_step_lowers_for_sm90(monkeypatch, dtype, causal, sinks, kernel
     text = jax.jit(step).trace(x, x, x, x, s).lower(lowering_platforms=("cuda",)).as_text()
     for name in kernels:
         assert f"{name}_mosaic_gpu" in text, name
+
+
+@pytest.mark.parametrize("head_dim", range(32, 257, 16))
+def test_auto_step_lowers_at_every_mosaic_head_dim(monkeypatch, head_dim):
+    """backend="auto" on sm_90 at every head_dim the Mosaic kernels take (multiples of 16, 32 to
+    256): the Mosaic forward and backward, and behind them the guard's Triton fallback, lowered
+    in one training step on 1000 tokens (no tile multiple), GQA 2:1."""
+    monkeypatch.setattr(attention, "_is_sm90", lambda: True)
+    monkeypatch.setattr(attention, "_capability", lambda: "9.0")
+    x = jax.ShapeDtypeStruct((1, 1000, 4, head_dim), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((1, 1000, 2, head_dim), jnp.bfloat16)
+
+    def step(q, k, v, do):
+        def attend(q, k, v):
+            return pf.flash_attention(q, k, v, causal=True, interpret=False)
+        return jax.vjp(attend, q, k, v)[1](do)
+
+    text = lower_for_sm90(step, x, kv, kv, x)
+    mosaic = {name for name in (mosaic_forward.KERNEL_NAME, fused_backward.FUSED_KERNEL_NAME,
+                                mosaic_backward.DKDV_KERNEL_NAME, mosaic_backward.DQ_KERNEL_NAME)
+              if f"{name}_mosaic_gpu" in text}
+    # The fused kernel at its head dims (64, 128), the two kernels at every other.
+    backward = ({fused_backward.FUSED_KERNEL_NAME} if head_dim in fused_backward.HEAD_DIMS else
+                {mosaic_backward.DKDV_KERNEL_NAME, mosaic_backward.DQ_KERNEL_NAME})
+    assert mosaic == {mosaic_forward.KERNEL_NAME} | backward
+    for name in ("pallas_flash_fwd", "pallas_flash_bwd_dkdv", "pallas_flash_bwd_dq"):
+        assert f'"{name}"' in text or f'\\"{name}\\"' in text, name

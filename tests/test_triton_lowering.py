@@ -19,6 +19,7 @@ import pytest
 
 import pallas_flash as pf
 from backends import IS_HOPPER, ON_GPU
+from helpers import lower_for_sm90
 from pallas_flash import FlashConfig, KernelConfig, attention
 from pallas_flash.triton import common
 
@@ -26,7 +27,6 @@ pytestmark = pytest.mark.skipif(ON_GPU and not IS_HOPPER,
                                 reason="the abstract H200 stands in for a CPU; other GPUs lower "
                                        "for themselves in the compiled suite")
 
-H200 = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
 TRITON_TARGET = "__gpu$xla.gpu.triton"
 FWD, DKDV, DQ = "pallas_flash_fwd", "pallas_flash_bwd_dkdv", "pallas_flash_bwd_dq"
 DECODE, COMBINE = "pallas_flash_decode", "pallas_flash_decode_combine"
@@ -35,11 +35,9 @@ TRAINING = [FWD, DKDV, DQ]
 
 def triton_kernels(fn, *args) -> list[str]:
     """The names of the Triton kernels in fn's program lowered for sm_90, in program order."""
-    mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=H200)
-    with jax.sharding.use_abstract_mesh(mesh):
-        text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     return [re.search(r'name = \\?"([^"\\]+)', line).group(1)
-            for line in text.splitlines() if f"@{TRITON_TARGET}(" in line]
+            for line in lower_for_sm90(fn, *args).splitlines()
+            if f"@{TRITON_TARGET}(" in line]
 
 
 def shape(*dims, dtype=jnp.bfloat16):
