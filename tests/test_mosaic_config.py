@@ -79,6 +79,29 @@ def test_register_budget():
     C(compute_wgs=3, pingpong=False, compute_registers=160, copy_registers=32)
 
 
+@pytest.mark.parametrize("fields,match", [
+    (dict(compute_registers=233), "compute_registers must be a multiple of 8"),
+    (dict(copy_registers=16), "copy_registers must be a multiple of 8"),
+    (dict(compute_registers=264, copy_registers=24), "compute_registers must be a multiple"),
+    # 2 * 248 + 40 = 536: past the 504 a launch of three warpgroups hands out (a hang).
+    (dict(compute_registers=248), "compute_registers must be at most 232"),
+    # 2 * 240 + 24 = 504 fits the two kernels, but leaves the fused kernel's copy and writer
+    # warpgroups (512 - 480) / 2 = 16 each, under setmaxnreg's 24.
+    (dict(compute_registers=240, copy_registers=24, fused=True),
+     "compute_registers must be at most 232 with fused=True"),
+])
+def test_backward_config_register_validation(fields, match):
+    with pytest.raises(ValueError, match=rf"MosaicBackwardConfig\.{match}"):
+        B(**fields)
+    B(**{**fields, "compute_registers": 232, "copy_registers": 40})
+
+
+@pytest.mark.parametrize("fields", [dict(compute_registers=236), dict(copy_registers=8)])
+def test_forward_config_registers_are_setmaxnreg_values(fields):
+    with pytest.raises(ValueError, match="setmaxnreg's range"):
+        C(**fields)
+
+
 def test_three_wgs_config():
     cfg = C(**THREE_WGS)
     assert cfg.cta_rows == 192 and C().cta_rows == 128

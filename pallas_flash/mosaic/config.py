@@ -54,6 +54,17 @@ def register_budget(warpgroups: int) -> int:
     return warpgroups * (MAX_REGISTERS // warpgroups // 8 * 8)
 
 
+# setmaxnreg's range (PTX ISA): a multiple of 8 from 24 to 256 registers per thread.
+MIN_SETMAXNREG, MAX_SETMAXNREG = 24, 256
+
+
+def _check_registers(owner: str, value) -> None:
+    if (isinstance(value, bool) or not isinstance(value, int) or value % 8
+            or not MIN_SETMAXNREG <= value <= MAX_SETMAXNREG):
+        raise ValueError(f"{owner} must be a multiple of 8 from {MIN_SETMAXNREG} to "
+                         f"{MAX_SETMAXNREG} (setmaxnreg's range), got {value!r}")
+
+
 def _check_chunk(owner: str, chunk) -> None:
     if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int)
                               or chunk < 1):
@@ -152,6 +163,8 @@ class MosaicForwardConfig:
             # The ping-pong rendezvous offsets one warpgroup against exactly one other.
             raise ValueError("MosaicForwardConfig.compute_wgs must be 2 with pingpong=True, "
                              f"got {self.compute_wgs}")
+        for name in ("compute_registers", "copy_registers"):
+            _check_registers(f"MosaicForwardConfig.{name}", getattr(self, name))
         budget = register_budget(self.compute_wgs + 1)
         if self.compute_wgs * self.compute_registers + self.copy_registers > budget:
             most = (budget - self.copy_registers) // self.compute_wgs // 8 * 8
@@ -308,6 +321,25 @@ class MosaicBackwardConfig:
         if self.fused_handout not in HANDOUTS:
             raise ValueError(f"MosaicBackwardConfig.fused_handout must be one of {HANDOUTS}, "
                              f"got {self.fused_handout!r}")
+        for name in ("compute_registers", "copy_registers"):
+            _check_registers(f"MosaicBackwardConfig.{name}", getattr(self, name))
+        # The dK/dV kernel's two compute warpgroups and its copy warpgroup (the dQ kernel's
+        # one or two fit whenever these do); past the budget the GPU hangs (register_budget).
+        budget = register_budget(3)
+        if 2 * self.compute_registers + self.copy_registers > budget:
+            most = (budget - self.copy_registers) // 2 // 8 * 8
+            raise ValueError(
+                f"MosaicBackwardConfig.compute_registers must be at most {most} with "
+                f"copy_registers={self.copy_registers} (2 * compute_registers + copy_registers "
+                f"<= {budget}), got {self.compute_registers}")
+        # The fused kernel's copy and writer warpgroups share what its compute warpgroups
+        # leave of four warpgroups' registers, each at least setmaxnreg's minimum.
+        if self.fused and self.fused_side_registers() < MIN_SETMAXNREG:
+            most = (register_budget(4) - 2 * MIN_SETMAXNREG) // 2 // 8 * 8
+            raise ValueError(
+                f"MosaicBackwardConfig.compute_registers must be at most {most} with "
+                f"fused=True (its copy and writer warpgroups need {MIN_SETMAXNREG} each), "
+                f"got {self.compute_registers}")
 
     # ---- geometry ---------------------------------------------------------------------------
 

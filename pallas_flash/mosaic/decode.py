@@ -124,7 +124,7 @@ _O_COLS = 64
 # Cache rows wider than 64 elements are loaded whole into registers when a masked block's
 # unseen V rows are zeroed, which Mosaic GPU's swizzled tiles allow for whole 32-element
 # groups: head_dim is at most 64, or a multiple of 32. The training kernels' other head dims
-# (80, 112) decode on the Triton kernel.
+# (80, 112, 144, 176, 208, 240) decode on the Triton kernel.
 DECODE_HEAD_DIMS = tuple(d for d in SUPPORTED_HEAD_DIMS if d <= 64 or d % 32 == 0)
 
 
