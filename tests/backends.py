@@ -44,7 +44,8 @@ class Backend:
     dtypes, head_dims (None: any), softcap, window, segments: what the kernels serve.
     needs_sm90: compiled only on Hopper (elsewhere on a GPU the case is skipped).
     passes: the passes it tests; a forward-only variant leaves the backward to the base.
-    groups: the case groups a variant runs (None: every case).
+    groups: the case groups a variant runs (None: every case but `skips`).
+    skips: case groups that exist for variants (their tiles), not for this backend.
     forward_fields / backward_fields: config fields replaced on top of the case's tiles.
     interpret: groups or case keys ("group/name[-tiles]") it runs in interpret mode
       (None: all).
@@ -60,6 +61,7 @@ class Backend:
     needs_sm90: bool = False
     passes: frozenset = BOTH
     groups: frozenset | None = None
+    skips: frozenset = frozenset()
     forward_fields: tuple = ()
     backward_fields: tuple = ()
     interpret: frozenset | None = None
@@ -73,6 +75,7 @@ class Backend:
                 and (self.window or opts.get("window") is None)
                 and (self.segments or case.ids is None)
                 and (self.groups is None or case.group in self.groups)
+                and case.group not in self.skips
                 and bool(self.passes & case.passes))
 
     def tiles(self, case) -> dict:
@@ -141,13 +144,17 @@ TRITON = Backend("triton", "triton",
 
 MOSAIC = Backend(
     "mosaic", "mosaic", dtypes=HALF, head_dims=frozenset(SUPPORTED_HEAD_DIMS), needs_sm90=True,
+    # The three-warpgroup and cluster cases are for those variants (VARIANTS below): at the
+    # default tiles they would repeat other cases under a name that promises what they skip.
+    skips=frozenset({"three-wgs", "clusters"}),
     interpret=frozenset({"forward", "features", "key-blocks", "launch-order", "backward",
                          "launch-order-bwd", "fused", "paired", "defaults", "head-dims"}))
 
 
 def _variant(name, fields, *, groups, interpret=(), head_dims=frozenset({64, 128, 256})):
     return dataclasses.replace(MOSAIC, name=name, passes=frozenset({"forward"}),
-                               groups=frozenset(groups), forward_fields=tuple(fields.items()),
+                               groups=frozenset(groups), skips=frozenset(),
+                               forward_fields=tuple(fields.items()),
                                interpret=frozenset(interpret), head_dims=head_dims)
 
 
@@ -186,7 +193,8 @@ VARIANTS = [
 
 def _backward_variant(name, fields, *, groups, interpret=()):
     return dataclasses.replace(MOSAIC, name=name, passes=frozenset({"backward"}),
-                               groups=frozenset(groups), backward_fields=tuple(fields.items()),
+                               groups=frozenset(groups), skips=frozenset(),
+                               backward_fields=tuple(fields.items()),
                                interpret=frozenset(interpret), head_dims=frozenset({64, 128}))
 
 

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from helpers import check_against_reference, random_inputs
-from pallas_flash.masking import make_mask_spec, visited_kv_blocks
+from pallas_flash.masking import (make_mask_spec, segment_block_ranges, visited_kv_blocks,
+                                  with_segment_range)
 
 
 def packed_ids(key, batch, seq, n_docs):
@@ -62,32 +63,56 @@ def test_packed_documents_visit_only_their_own_tiles():
                             kv_segment_ids=small)
 
 
-def _needed_tiles(dense, bq, bk):
-    """Brute force: per query block, the contiguous key-block range holding its visible pairs."""
-    needed = 0
+def _needed_ranges(dense, bq, bk):
+    """Brute force from the dense mask: per query block, the key blocks [lo, hi) from the first
+    to the last one holding a visible pair, or None for a query block that sees no key."""
+    ranges = []
     for i in range(0, dense.shape[0], bq):
         cols = np.nonzero(dense[i:i + bq].any(0))[0]
-        if cols.size:
-            needed += cols[-1] // bk - cols[0] // bk + 1
-    return needed
+        ranges.append((int(cols[0]) // bk, int(cols[-1]) // bk + 1) if cols.size else None)
+    return ranges
+
+
+def _loop_ranges(spec, bq, bk, q_ids=None, kv_ids=None):
+    """The [lo, hi) key-block range the forward kernel loops over, per query block, as
+    visited_kv_blocks evaluates it: spec.kv_blocks, intersected with the segment range when
+    ids are given (batch row 0)."""
+    starts = jnp.arange(-(-spec.seq_q // bq), dtype=jnp.int32) * bq
+    bounds = jax.vmap(lambda s: spec.kv_blocks(s, bq, bk, spec.seq_kv))(starts)
+    if q_ids is not None:
+        seg_lo, seg_hi = segment_block_ranges(q_ids, kv_ids, bq, bk)
+        bounds = with_segment_range(bounds, seg_lo[0], seg_hi[0])
+    return list(zip(np.asarray(bounds[0]).tolist(), np.asarray(bounds[3]).tolist()))
 
 
 @pytest.mark.parametrize("alignment", ["top_left", "bottom_right"])
 @pytest.mark.parametrize("window", [None, (40, None), (9, 30), (0, 0)])
 def test_position_bounds_are_exact(window, alignment):
-    # Without ids, the loop bounds are exactly the tiles that hold a visible pair.
+    # Without ids, each query block's loop range is exactly its first to its last key block
+    # with a visible pair, and a query block that sees nothing loops over nothing.
     for causal in (False, True):
         spec = make_mask_spec(150, 170, causal=causal, window=window,
                               causal_alignment=alignment)
         dense = np.asarray(spec.dense() if spec.has_position_mask
                            else np.ones((150, 170), bool))
-        assert int(visited_kv_blocks(spec, 32, 16)) == _needed_tiles(dense, 32, 16)
+        needed = _needed_ranges(dense, 32, 16)
+        got = _loop_ranges(spec, 32, 16)
+        assert len(got) == len(needed)
+        for block, ((lo, hi), want) in enumerate(zip(got, needed)):
+            where = f"causal={causal}, query block {block}"
+            if want is None:
+                assert hi == lo, f"{where}: sees no key but loops over [{lo}, {hi})"
+            else:
+                assert (lo, hi) == want, f"{where}: loops over [{lo}, {hi}), needs {want}"
+        # The cost model sums these same ranges.
+        assert int(visited_kv_blocks(spec, 32, 16)) == sum(hi - lo for lo, hi in got)
 
 
 @pytest.mark.parametrize("seed", range(4))
 def test_bounds_never_skip_a_visible_tile(seed):
     # With ids as well, the bounds may be a superset (position and id ranges are intersected
-    # separately) but must cover every tile with a visible pair, or answers would be wrong.
+    # separately) but must cover every tile with a visible pair, or answers would be wrong; and
+    # the ids only ever shrink the position range.
     key = jax.random.PRNGKey(seed)
     q_ids = packed_ids(key, 1, 150, 4)
     kv_ids = packed_ids(jax.random.fold_in(key, 1), 1, 170, 3)
@@ -95,5 +120,22 @@ def test_bounds_never_skip_a_visible_tile(seed):
                           causal_alignment="bottom_right")
     dense = np.asarray(spec.dense()) & (np.asarray(q_ids[0])[:, None]
                                         == np.asarray(kv_ids[0])[None])
-    visited = int(visited_kv_blocks(spec, 32, 16, q_ids, kv_ids)[0])
-    assert _needed_tiles(dense, 32, 16) <= visited <= int(visited_kv_blocks(spec, 32, 16))
+    needed = _needed_ranges(dense, 32, 16)
+    got = _loop_ranges(spec, 32, 16, q_ids, kv_ids)
+    position = _loop_ranges(spec, 32, 16)
+    assert len(got) == len(needed) == len(position)
+    # Some query block sees a key and some tile of its position range is skipped for its ids,
+    # so both the coverage and the shrinking below are exercised.
+    assert any(want is not None for want in needed)
+    assert sum(hi - lo for lo, hi in got) < sum(hi - lo for lo, hi in position)
+    for block, ((lo, hi), want, (pos_lo, pos_hi)) in enumerate(zip(got, needed, position)):
+        if want is not None:
+            assert lo <= want[0] and want[1] <= hi, (
+                f"query block {block}: loops over [{lo}, {hi}), skipping visible tiles of "
+                f"[{want[0]}, {want[1]})")
+        if hi > lo:
+            assert pos_lo <= lo and hi <= pos_hi, (
+                f"query block {block}: [{lo}, {hi}) leaves the position range "
+                f"[{pos_lo}, {pos_hi})")
+    assert int(visited_kv_blocks(spec, 32, 16, q_ids, kv_ids)[0]) == sum(
+        hi - lo for lo, hi in got)

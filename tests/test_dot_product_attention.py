@@ -5,7 +5,12 @@ cotangent: against ``jax.nn.dot_product_attention(implementation="xla")`` given 
 arguments, and against `reference_attention` given the equivalent `flash_attention` options,
 written out by hand in each case (so that the argument mapping itself is under test). Dense
 masks are compared with jax.nn on the rows that see a key (the documented difference: rows that
-see none give 0 here), and with the reference everywhere.
+see none give 0 here), and with the reference everywhere. A per-head mask or a random bias,
+which `reference_attention` has no option for, is compared with `_dense_reference` (float32 at
+HIGHEST precision) instead. Exceptions: the soft cap, which jax.nn lacks, is compared with the
+reference only; and the fallbacks whose contract is to hand the call to jax.nn unchanged (a
+negative window, scale 0, head_dim 288, int8, implementation="xla"/"cudnn") must equal jax.nn
+exactly.
 """
 
 from __future__ import annotations
@@ -61,6 +66,22 @@ def _reference(q, k, v, **ref_kwargs):
     out, lse = pf.reference_attention(q, k, v, return_lse=True, **ref_kwargs)
     lse = jnp.swapaxes(lse, 1, 2)
     return (out[0], lse[0]) if unbatched else (out, lse)
+
+
+def _dense_reference(q, k, v, *, mask=None, bias=None):
+    """softmax(q k^T / sqrt(head_dim) + bias, where mask) v in float32 at HIGHEST precision, on
+    [B, T, N, H] inputs with GQA (query head n reads kv head n // group, as in jax.nn): for the
+    masks and biases that reference_attention has no option for. Every row must see a key."""
+    highest = jax.lax.Precision.HIGHEST
+    q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
+    group = q.shape[2] // k.shape[2]
+    k, v = jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2)
+    logits = jnp.einsum("btnh,bsnh->bnts", q, k, precision=highest) / np.sqrt(q.shape[-1])
+    if bias is not None:
+        logits = logits + bias
+    if mask is not None:
+        logits = jnp.where(mask, logits, -jnp.inf)
+    return jnp.einsum("bnts,bsnh->btnh", jax.nn.softmax(logits, axis=-1), v, precision=highest)
 
 
 def _check(q, k, v, do, ref_kwargs, *, xla_tol=None, fallback=False, empty_rows_differ=False,
@@ -286,14 +307,17 @@ def test_bias_falls_back_to_xla(kernel_calls):
     t, s = q.shape[1], k.shape[1]
     # An additive causal mask as the bias: XLA's answer must equal the reference's causal one.
     _check(q, k, v, do, dict(causal=True), bias=_causal_additive_bias(t, s), fallback=True)
-    # A random bias per head: no reference, but the drop-in must be jax.nn exactly.
+    # A random bias per head: the drop-in must be jax.nn exactly, and match the dense reference
+    # (reference_attention takes no bias).
     bias = jax.random.normal(jax.random.PRNGKey(9), (1, 4, t, s))
     ours = _outputs_and_grads(lambda q, k, v: pf.dot_product_attention(q, k, v, bias), q, k, v, do)
     xla = _outputs_and_grads(
         lambda q, k, v: jax.nn.dot_product_attention(q, k, v, bias, implementation="xla"),
         q, k, v, do)
-    for a, b in zip(ours, xla, strict=True):
-        np.testing.assert_array_equal(a, b)
+    ref = _outputs_and_grads(lambda q, k, v: _dense_reference(q, k, v, bias=bias), q, k, v, do)
+    for name, a, x, r in zip(("out", "dq", "dk", "dv"), ours, xla, ref, strict=True):
+        np.testing.assert_array_equal(a, x)
+        assert_close(f"{name} vs the dense float32 reference", a, r, TOLERANCE[jnp.dtype(q.dtype)])
     assert not kernel_calls
 
 
@@ -332,7 +356,10 @@ def test_traced_scale_falls_back(kernel_calls):
     # Both jitted, so both run XLA's float32 matmuls the same way (tf32 on the GPU: an eager
     # jax.nn call differed from the jitted one by 3.4e-4 on our H200).
     xla = jax.jit(lambda s: jax.nn.dot_product_attention(q, k, v, scale=s, is_causal=True))(0.3)
-    assert_close("out", ours, xla, TOLERANCE[jnp.dtype(jnp.float32)])
+    ref = pf.reference_attention(q, k, v, scale=0.3, causal=True)
+    tol = TOLERANCE[jnp.dtype(q.dtype)]
+    assert_close("out vs jax.nn", ours, xla, tol)
+    assert_close("out vs reference_attention", ours, ref, tol)
     assert not kernel_calls
 
 
@@ -634,8 +661,13 @@ def test_other_unserved_masks(kind, kernel_calls):
                                   q, k, v, do)
         xla = _outputs_and_grads(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, mask=mask),
                                  q, k, v, do)
-        for name, a, x in zip(("out", "dq", "dk", "dv"), ours, xla, strict=True):
-            assert_close(f"{name} vs jax.nn", a, x, TOLERANCE[jnp.dtype(jnp.float32)])
+        # reference_attention has no per-head mask: the dense float32 reference takes it.
+        ref = _outputs_and_grads(lambda q, k, v: _dense_reference(q, k, v, mask=mask),
+                                 q, k, v, do)
+        tol = TOLERANCE[jnp.dtype(q.dtype)]
+        for name, a, x, r in zip(("out", "dq", "dk", "dv"), ours, xla, ref, strict=True):
+            assert_close(f"{name} vs the dense float32 reference", a, r, tol)
+            assert_close(f"{name} vs jax.nn", a, x, tol)
     else:
         mask = jnp.tril(jnp.ones((20, 24), bool), k=4)
         _check(q, k, v, do, dict(causal=True, causal_alignment="bottom_right"), mask=mask)

@@ -1,6 +1,7 @@
 """Every invalid input raises a ValueError naming the argument, before any kernel is traced."""
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -8,18 +9,52 @@ import numpy as np
 import pytest
 
 import pallas_flash as pf
+from pallas_flash import attention, decode, guarded
 from pallas_flash.config import shared_memory_bytes, shared_memory_limit
+from pallas_flash.mosaic import backward as mosaic_backward
+from pallas_flash.mosaic import decode as mosaic_decode
+from pallas_flash.mosaic import forward as mosaic_forward
+from pallas_flash.triton import backward as triton_backward
+from pallas_flash.triton import decode as triton_decode
 from pallas_flash.triton import forward as triton_forward
+
+# Every kernel entry point a flash_attention or decode_attention call can reach, as (module,
+# attribute) on the module objects the dispatch reads them from when a call is traced:
+# attention._FORWARDS / _BACKWARDS map each backend to one of these modules, guarded.py calls the
+# Mosaic and Triton kernels through their modules, and decode.py looks up `partial` on the
+# backend's module and `combine` on triton.decode.
+KERNELS = {
+    "triton.forward": (triton_forward, "forward"),
+    "triton.backward": (triton_backward, "backward"),
+    "mosaic.forward": (mosaic_forward, "forward"),
+    "mosaic.backward": (mosaic_backward, "backward"),
+    "mosaic.backward_checked": (mosaic_backward, "backward_checked"),
+    "guarded.forward": (guarded, "forward"),
+    "guarded.backward": (guarded, "backward"),
+    "triton.decode.partial": (triton_decode, "partial"),
+    "mosaic.decode.partial": (mosaic_decode, "partial"),
+    "triton.decode.combine": (triton_decode, "combine"),
+}
+FORWARDS = ("triton.forward", "mosaic.forward", "guarded.forward")
 
 
 @pytest.fixture(autouse=True)
 def no_kernel(monkeypatch):
-    """Any kernel launch during these tests is itself a failure: checks must come first."""
+    """Any kernel reached during these tests is itself a failure: checks must come first.
 
-    def fail(*args, **kwargs):
-        raise AssertionError("a kernel was reached before the input was rejected")
+    Returns the real entry points by KERNELS name, for tests that let a call past one of them.
+    """
+    real = {name: getattr(module, attr) for name, (module, attr) in KERNELS.items()}
+    for name, (module, attr) in KERNELS.items():
+        def fail(*args, _name=name, **kwargs):
+            raise AssertionError(f"a kernel ({_name}) was reached before the input was rejected")
 
-    monkeypatch.setattr(triton_forward, "forward", fail)
+        monkeypatch.setattr(module, attr, fail)
+    # A jitted function cached by an earlier call runs without being traced again, so it would
+    # never look the trapped attributes up: every test starts from empty caches.
+    attention._custom_vjp_attention.cache_clear()
+    decode._decode_fn.cache_clear()
+    return real
 
 
 def qkv(shape_q=(1, 8, 4, 16), shape_kv=(1, 8, 2, 16), dtype=jnp.float32):
@@ -208,14 +243,75 @@ def test_reference_validates_too():
         pf.reference_attention(q, k[0], v)
 
 
-def test_valid_input_reaches_the_kernel():
-    # The fixture's trap must be reachable, or every test above would pass vacuously.
-    with pytest.raises(AssertionError, match="a kernel was reached"):
-        pf.flash_attention(*qkv())
+S = jax.ShapeDtypeStruct
+
+
+def _attention_call(what, dtype, head_dim, options):
+    """(function, abstract arguments): flash_attention's forward, or its gradient."""
+    x = S((1, 64, 2, head_dim), dtype)
+
+    def forward(q, k, v):
+        return pf.flash_attention(q, k, v, **options)
+
+    def loss(q, k, v):
+        return forward(q, k, v).astype(jnp.float32).sum()
+
+    return (forward if what == "forward" else jax.grad(loss, argnums=(0, 1, 2))), (x, x, x)
+
+
+def _decode_call(dtype, head_dim, options):
+    q, cache = S((2, 1, 4, head_dim), dtype), S((2, 256, 2, head_dim), dtype)
+
+    def call(q, k_cache, v_cache, kv_lengths):
+        return pf.decode_attention(q, k_cache, v_cache, kv_lengths=kv_lengths, **options)
+
+    return call, (q, cache, cache, S((2,), jnp.int32))
+
+
+# Each path to a kernel, by id: (what is traced, dtype, head_dim, options, dispatch as on an
+# sm_90 GPU, entry points left real, the entry point the call must reach). A backward is reached
+# only past a forward, so those cases leave the forwards real; tracing only stages them.
+PATHS = {
+    "triton-forward": ("forward", jnp.float32, 16, {}, False, (), "triton.forward"),
+    "mosaic-forward": ("forward", jnp.bfloat16, 32, dict(backend="mosaic", interpret=True),
+                       False, (), "mosaic.forward"),
+    "auto-sm90-forward": ("forward", jnp.bfloat16, 32, dict(interpret=False), True, (),
+                          "guarded.forward"),
+    "triton-backward": ("backward", jnp.float32, 16, {}, False, FORWARDS, "triton.backward"),
+    "mosaic-backward": ("backward", jnp.bfloat16, 32, dict(backend="mosaic", interpret=True),
+                        False, FORWARDS, "mosaic.backward"),
+    "auto-sm90-backward": ("backward", jnp.bfloat16, 32, dict(interpret=False), True, FORWARDS,
+                           "guarded.backward"),
+    "auto-sm90-backward-checked": ("backward", jnp.bfloat16, 32, dict(interpret=False), True,
+                                   FORWARDS + ("guarded.backward",), "mosaic.backward_checked"),
+    "triton-decode": ("decode", jnp.float32, 64, {}, False, (), "triton.decode.partial"),
+    "mosaic-decode": ("decode", jnp.bfloat16, 128, dict(backend="mosaic", interpret=True), False,
+                      (), "mosaic.decode.partial"),
+    "decode-combine": ("decode", jnp.float32, 64, dict(num_splits=2), False,
+                       ("triton.decode.partial",), "triton.decode.combine"),
+}
+
+
+@pytest.mark.parametrize("path", PATHS.values(), ids=PATHS.keys())
+def test_valid_input_reaches_the_kernel(no_kernel, monkeypatch, path):
+    # The fixture's trap must catch a valid call on every path to a kernel, or every test above
+    # would pass vacuously for the backends it misses. The call is traced and never run, so the
+    # sm_90 dispatch ("auto" on an H100/H200: the guarded Mosaic kernels) is taken on any machine.
+    what, dtype, head_dim, options, sm90, real, reached = path
+    if sm90:
+        monkeypatch.setattr(attention, "_is_sm90", lambda: True)
+    for name in real:
+        monkeypatch.setattr(*KERNELS[name], no_kernel[name])
+    if what == "decode":
+        fn, args = _decode_call(dtype, head_dim, options)
+    else:
+        fn, args = _attention_call(what, dtype, head_dim, options)
+    with pytest.raises(AssertionError, match=rf"a kernel \({re.escape(reached)}\) was reached"):
+        jax.jit(fn).trace(*args)
 
 
 def test_configs_are_hashable_and_frozen():
     cfg = pf.default_config(128, jnp.bfloat16)
     assert hash(cfg) == hash(pf.default_config(128, np.dtype("bfloat16")))
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.fwd.block_q = 32

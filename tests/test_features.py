@@ -48,7 +48,8 @@ class Case:
     ids(rng, batch, seq_q, seq_kv): segment ids and lengths as flash_attention takes them.
     forward_tiles / backward_tiles: {label: Mosaic config}; a label runs as its own test.
     interpret: False for a size meant for the GPU only, on every backend.
-    expect: the Mosaic backward design the case exists for ("fused", "paired"); asserted.
+    expect: the Mosaic backward design the case exists for ("fused"; "paired"; "two": the two
+      kernels, dK/dV unpaired); asserted.
     """
 
     group: str
@@ -256,8 +257,16 @@ CASES = [
     # seq_q > seq_kv bottom-right: the first 128 query rows see no key.
     case("backward", "bottom-right-mqa-1wg", (1, 256, 128, 2, 1, 64), BF16, BACKWARD,
          causal=True, causal_alignment="bottom_right", bwd=B(dq_block_kv=64, dq_compute_wgs=1)),
-    # head_dim 256: the two dK/dV warpgroups split the columns of dK and dV.
-    case("backward", "causal-d256", (1, 128, 128, 2, 1, 256), BF16, BACKWARD, causal=True),
+    # head_dim 256 at its default tiles: the dK/dV warpgroups paired (one forms P^T, the other
+    # dS^T); unpaired, they split the columns of dK and dV.
+    case("backward", "causal-d256", (1, 128, 128, 2, 1, 256), BF16, BACKWARD, causal=True,
+         expect="paired"),
+    case("backward", "causal-gqa-d256-unpaired", (1, 136, 128, 4, 2, 256), BF16, BACKWARD,
+         causal=True, expect="two",
+         bwd=B(dkdv_block_q=64, dq_block_kv=64, dq_compute_wgs=1, dkdv_paired=False)),
+    case("backward", "window-softcap-d192-unpaired", (2, 200, 180, 2, 1, 192), F16, BACKWARD,
+         window=(50, 20), softcap=2.5, expect="two", interpret=False,
+         bwd=B(dkdv_block_q=64, dq_block_kv=64, dq_compute_wgs=1, dkdv_paired=False)),
     # Small softcaps: with logits ~N(0, 1), t^2 ~ 0.2, so a missing (1 - t^2) factor of dS
     # shows far above the bfloat16 tolerance.
     case("backward", "softcap-causal-gqa", (1, 256, 256, 4, 2, 64), BF16, BACKWARD,
@@ -266,17 +275,17 @@ CASES = [
     # sides of each warpgroup's range.
     case("backward", "window-causal", (1, 256, 256, 2, 1, 64), BF16, BACKWARD, causal=True,
          window=(70, 0), bwd=B(dq_block_kv=64)),
-    # A two-sided window with softcap at head_dim 256 (column-split dK/dV), partial tiles and a
+    # A two-sided window with softcap at head_dim 256 (paired dK/dV), partial tiles and a
     # length not a multiple of 8.
     case("backward", "window-softcap-d256-partial", (1, 136, 100, 2, 1, 256), BF16, BACKWARD,
-         window=(30, 20), softcap=2.5),
+         window=(30, 20), softcap=2.5, expect="paired"),
     # seq_q 100 (padded to 104), seq_kv 150 (a 22-key last block), bottom-right.
     case("backward", "partial-f16", (1, 100, 150, 2, 1, 64), F16, BACKWARD, causal=True,
-         causal_alignment="bottom_right"),
+         causal_alignment="bottom_right", expect="two", bwd=B(dq_block_kv=64)),
     # Shorter than one tile: the second dQ warpgroup and the second 64-key dK/dV warpgroup lie
     # wholly past the end.
     case("backward", "partial-tiny", (1, 40, 50, 2, 1, 64), BF16, BACKWARD, causal=True,
-         causal_alignment="bottom_right"),
+         causal_alignment="bottom_right", expect="two", bwd=B(dq_block_kv=64)),
     case("backward", "segments-window-softcap", (2, 200, 180, 2, 2, 128), F16, BACKWARD,
          causal=True, window=(50, None), softcap=3.0, ids=shifted_ids(3, 7, 20),
          bwd=B(dq_compute_wgs=1, dkdv_stages=3)),
@@ -433,8 +442,10 @@ def test_matches_reference(backend, case, tiles):
     if mosaic and case.expect == "fused":
         assert mosaic_backward.uses_fused(spec, q, k,
                                           bwd_config or default_backward_config(case.shape[-1]))
-    if mosaic and case.expect == "paired":
-        assert bwd_config.dkdv_pairs(case.shape[-1])
+    if mosaic and case.expect in ("paired", "two"):
+        cfg = bwd_config or default_backward_config(case.shape[-1])
+        assert not mosaic_backward.uses_fused(spec, q, k, cfg)
+        assert cfg.dkdv_pairs(case.shape[-1]) is (case.expect == "paired")
 
     q_ids = kv_ids = None
     if ids:

@@ -133,14 +133,18 @@ def test_paired_dkdv_lowers_for_sm90(dtype, options):
 ], ids=["causal-d64", "full-d256", "all-options-d128", "all-options-d256", "window-d48-f16",
         "softcap-d112", "segments-d160", "uneven-d144", "uneven-softcap-d240-f16"])
 def test_lowers_for_sm90(d, dtype, causal, seq, options):
+    """The two kernels at each head_dim's default tiles, the fused kernel turned off where it
+    would serve the call."""
     args = backward_args(2, seq, seq, 4, 2, d, dtype)
     spec = make_spec(seq, seq, d, dtype, causal=causal, interpret=False, **options)
     if spec.has_segments:
         ids = jnp.zeros((2, seq), jnp.int32)
         args = args + (ids, ids)
-    fn = jax.jit(lambda *a: mosaic.backward(spec, *a))
+    cfg = dataclasses.replace(default_backward_config(d), fused=False)
+    fn = jax.jit(lambda *a: mosaic.backward(spec, *a, config=cfg))
     text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    assert "mosaic_gpu" in text
+    for name in (mosaic.DKDV_KERNEL_NAME, mosaic.DQ_KERNEL_NAME):
+        assert f"{name}_mosaic_gpu" in text, name
 
 
 @pytest.mark.parametrize("change,match", [

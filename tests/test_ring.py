@@ -23,8 +23,8 @@ from jax.sharding import PartitionSpec as P
 from jax.test_util import check_grads
 
 import pallas_flash as pf
-from helpers import (ON_GPU, TOLERANCE, assert_close, compare_results, make_mesh,
-                     outputs_and_grads, random_inputs, single_device)
+from helpers import (ON_GPU, assert_close, compare_results, make_mesh,
+                     outputs_and_grads, random_inputs, single_device, tolerance)
 from pallas_flash import attention, ring, ring_plan, ring_steps
 from pallas_flash.masking import MaskSpec
 from pallas_flash.mosaic import forward as mosaic_forward
@@ -350,8 +350,9 @@ def test_ring_check_grads_float64(x64):
 
 
 def test_ring_with_sinks_matches_reference():
-    """Sinks apply to the ring's merged (O, lse): forward, lse and every gradient, the sinks'
-    included, against reference_attention under random cotangents."""
+    """Sinks apply to the ring's merged (O, lse): O, lse and every gradient, the sinks'
+    included, against the float32 reference_attention under random cotangents for O and lse,
+    elementwise at the float32 tolerance."""
     mesh = make_mesh((2,), ("ring",))
     keys = jax.random.split(jax.random.PRNGKey(13), 6)
     q, k, v, do = random_inputs(keys[0], 1, 32, 32, 4, 2, 16, F32)
@@ -359,20 +360,23 @@ def test_ring_with_sinks_matches_reference():
     dlse = _dlse(keys[2], q)
 
     def run(fn):
-        def loss(q, k, v, sinks):
-            out, lse = fn(q, k, v, sinks)
-            return jnp.sum(out * do) + jnp.sum(lse * dlse)
-        return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3)))(q, k, v, sinks)
+        @jax.jit
+        def outputs_and_all_grads(q, k, v, sinks):
+            (out, lse), vjp = jax.vjp(fn, q, k, v, sinks)
+            return out, lse, vjp((do, dlse))
+        out, lse, (dq, dk, dv, dsinks) = outputs_and_all_grads(q, k, v, sinks)
+        return (out, lse, (dq, dk, dv)), dsinks
 
     ring_fn = lambda q, k, v, s: pf.ring_attention(  # noqa: E731
         q, k, v, mesh=mesh, axis_name="ring", causal=True, sinks=s, return_lse=True)
+    # The inputs are float32 and reference_attention computes with HIGHEST-precision matmuls.
     ref_fn = lambda q, k, v, s: pf.reference_attention(  # noqa: E731
         q, k, v, causal=True, sinks=s, return_lse=True)
-    (got_loss, got), (want_loss, want) = run(ring_fn), run(ref_fn)
-    np.testing.assert_allclose(got_loss, want_loss, rtol=1e-5)
-    for name, a, b in zip(("dq", "dk", "dv", "dsinks"), got, want):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-4, atol=2e-5,
-                                   err_msg=name)
+    got, got_dsinks = run(ring_fn)
+    want, want_dsinks = run(ref_fn)
+    compare_results("ring with sinks", got, want, F32)
+    assert got_dsinks.dtype == sinks.dtype
+    assert_close("ring with sinks dsinks", got_dsinks, want_dsinks, tolerance(F32))
 
 
 # ================================================================================================
@@ -721,26 +725,35 @@ def test_ring_sends_overlap_the_kernels():
 
 
 def _dense_attention(spec, q, k, v):
-    """O and lse of one call with its exact static mask, in float32 (GQA by repeat)."""
+    """O and lse of one call with its exact static mask, in float32 with HIGHEST-precision
+    matmuls (GQA by repeat). As in reference_attention, a row that sees no key gives O = 0 and
+    lse = -inf, and its gradients stay free of inf - inf."""
+    highest = jax.lax.Precision.HIGHEST
     group = q.shape[2] // k.shape[2]
     k, v = (jnp.repeat(x.astype(F32), group, axis=2) for x in (k, v))
-    s = jnp.einsum("bqhd,bkhd->bhqk", q.astype(F32), k) * spec.scale
+    s = jnp.einsum("bqhd,bkhd->bhqk", q.astype(F32), k, precision=highest) * spec.scale
     if spec.softcap is not None:
         s = spec.softcap * jnp.tanh(s / spec.softcap)
     mask = spec.mask.dense()
     if mask is not None:
         s = jnp.where(mask, s, -jnp.inf)
-    lse = jax.nn.logsumexp(s, axis=-1)
-    p = jnp.exp(s - jnp.where(jnp.isfinite(lse), lse, 0.0)[..., None])
-    return jnp.einsum("bhqk,bkhd->bqhd", p, v), lse
+    row_max = jnp.max(s, axis=-1, keepdims=True)
+    row_max = jax.lax.stop_gradient(jnp.where(jnp.isfinite(row_max), row_max, 0.0))
+    p = jnp.exp(s - row_max)
+    denom = jnp.sum(p, axis=-1, keepdims=True)
+    seen = denom > 0
+    denom = jnp.where(seen, denom, 1.0)
+    out = jnp.einsum("bhqk,bkhd->bqhd", p / denom, v, precision=highest)
+    lse = jnp.where(seen, row_max + jnp.log(denom), -jnp.inf)[..., 0]
+    return out, lse
 
 
 @pytest.mark.skipif(not ON_GPU, reason="the compiled kernels need a GPU")
 def test_plan_calls_on_the_compiled_kernels():
     """Every distinct call of a 4-device zig-zag plan under a causal window (offset masks,
-    half pieces), in bf16 on the backends the plan chose (the guarded Mosaic kernels on
-    sm_90): forward against a dense float32 attention with the call's exact mask, backward
-    against the Triton backward on the same operands."""
+    half pieces), in bf16, on the backends the plan chose (the guarded Mosaic kernels on
+    sm_90) and on Triton: forward (O, lse) and the vjp (dq, dk, dv) under random cotangents,
+    each against a dense float32 attention with the call's exact mask."""
     q = jax.ShapeDtypeStruct((1, 1024, 4, 64), jnp.bfloat16)
     k = jax.ShapeDtypeStruct((1, 1024, 2, 64), jnp.bfloat16)
     plan = ring._plan(q, k, k, axis_name="ring", axis_size=4, where="global", causal=True,
@@ -752,25 +765,39 @@ def test_plan_calls_on_the_compiled_kernels():
     assert len(calls) > 3 and any(c.spec.mask.offset for c in calls)
     if attention._is_sm90():
         assert {(c.forward, c.backward) for c in calls} == {("guarded", "guarded")}
-    tol = TOLERANCE[jnp.dtype(jnp.bfloat16)]
+    tol = tolerance(jnp.bfloat16)
     for n, call in enumerate(calls):
         rows, cols = call.rows[1] - call.rows[0], call.cols[1] - call.cols[0]
         cq, ck, cv, do = random_inputs(jax.random.PRNGKey(n), 1, rows, cols, 4, 2, 64,
                                        jnp.bfloat16)
         dlse = jax.random.normal(jax.random.PRNGKey(100 + n), (1, 4, rows), F32)
+        (want_out, want_lse), dense_vjp = jax.vjp(
+            lambda q, k, v, c=call: _dense_attention(c.spec, q, k, v),
+            *(x.astype(F32) for x in (cq, ck, cv)))
+        seen = np.isfinite(np.asarray(want_lse))
+        # A row that sees no key has no lse to differentiate (the kernels ignore its dlse).
+        want_grads = dense_vjp((do.astype(F32), jnp.where(seen, dlse, 0.0)))
+        # The plan's backends and Triton, each once (a dict keeps the order and drops repeats).
+        for backend in dict.fromkeys((call.forward, "triton")):
+            out, row_stats = jax.jit(lambda *a, c=call, b=backend: ring_steps._kernel_forward(
+                c.spec, *a, None, None, backend=b))(cq, ck, cv)
+            where = f"call {n} ({backend} forward)"
+            assert out.dtype == jnp.bfloat16, where
+            assert_close(f"{where} out", out, want_out, tol)
+            lse = np.asarray(stats_to_lse(call.spec, row_stats))
+            np.testing.assert_array_equal(np.isneginf(lse), ~seen, err_msg=f"{where} lse=-inf")
+            assert_close(f"{where} lse", np.where(seen, lse, 0), np.where(seen, want_lse, 0),
+                         tol, floor=1.0)
+        # Each backward runs on the statistics of the forward the plan pairs it with.
         out, row_stats = jax.jit(lambda *a, c=call: ring_steps._kernel_forward(
             c.spec, *a, None, None, backend=c.forward))(cq, ck, cv)
-        want_out, want_lse = _dense_attention(call.spec, cq, ck, cv)
-        assert_close(f"call {n} out", out, want_out, tol)
-        lse = stats_to_lse(call.spec, row_stats)
-        seen = np.isfinite(np.asarray(want_lse))
-        assert_close(f"call {n} lse", np.where(seen, lse, 0), np.where(seen, want_lse, 0), tol,
-                     floor=1.0)
-        grads = {name: jax.jit(lambda *a, c=call, b=name: ring_steps._kernel_backward(
-            c.spec, *a, None, None, backend=b))(cq, ck, cv, out, row_stats, do, dlse)
-            for name in (call.backward, "triton")}
-        for g, name in enumerate(("dq", "dk", "dv")):
-            assert_close(f"call {n} {name}", grads[call.backward][g], grads["triton"][g], tol)
+        for backend in dict.fromkeys((call.backward, "triton")):
+            grads = jax.jit(lambda *a, c=call, b=backend: ring_steps._kernel_backward(
+                c.spec, *a, None, None, backend=b))(cq, ck, cv, out, row_stats, do, dlse)
+            for name, g, want, x in zip(("dq", "dk", "dv"), grads, want_grads, (cq, ck, cv)):
+                where = f"call {n} ({backend} backward) {name}"
+                assert g.dtype == x.dtype, where
+                assert_close(where, g, want, tol)
 
 
 @pytest.mark.skipif(not ON_GPU, reason="bf16 on the compiled (Mosaic on sm_90) kernels")
