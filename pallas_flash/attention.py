@@ -3,7 +3,8 @@
 Data flow: validate once (ValueError naming the argument) -> fold the options into one hashable
 `AttentionSpec` -> pick the backend -> call a custom_vjp function whose forward returns
 (O, lse) and saves (q, k, v, O) and the row statistics M and L (stats.py: two float32 numbers
-per query row, from which lse is derived) plus the integer segment ids, nothing else. This
+per query row, from which lse is derived) plus the integer segment ids and the sink logits,
+nothing else. This
 module never knows how a kernel tiles its work.
 """
 
@@ -294,7 +295,8 @@ def _warn_interpret_once() -> None:
 def kernel_options(q, *, precision, config, interpret, head_dim_v=None):
     """Validates and defaults the options that steer the kernels (how, not what).
 
-    Shared by every entry point that launches the kernels (flash_attention, sharding.py, ring.py).
+    Shared by every entry point that launches the kernels (flash_attention, ring.py, decode.py;
+    sharding.py calls flash_attention itself).
     head_dim_v: V's head_dim when it differs from q's (None: the same).
     Returns (precision as a lax.Precision, a FlashConfig, interpret as a bool).
     """

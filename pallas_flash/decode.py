@@ -8,7 +8,10 @@ through their lse -> sinks -> unpack to [batch, q_len, q_heads, head_dim].
 
 Backend contract (pallas_flash/triton/decode.py, pallas_flash/mosaic/decode.py): each module
 exposes `partial(plan, q_packed, k_cache, v_cache, kv_lengths, block_table)` (see
-`partial_contract` below for its exact shapes) and `unsupported_reason(plan) -> str | None`.
+`partial_contract` below for its shapes), `unsupported_reason(plan) -> str | None` and
+`d_major(plan, tiles) -> bool`: True where its partial O comes transposed, O^T [..., head_dim,
+n] with lse [..., n] for n >= rows columns (the Mosaic keys-as-M kernel), which the combine
+reads in place.
 """
 
 from __future__ import annotations
@@ -80,8 +83,9 @@ class DecodePlan:
         return self.page_size is not None
 
 
-# A chunk is a whole number of these keys, so that every backend's kv block (a power of two up
-# to this size) tiles a chunk exactly.
+# A chunk is a whole number of these keys, so that the backends' smallest kv blocks (powers of
+# two up to this size) tile a chunk exactly; a larger block serves a chunk it divides
+# (mosaic.decode.unsupported_reason).
 CHUNK_ALIGN = 64
 
 

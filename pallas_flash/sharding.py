@@ -22,6 +22,7 @@ import jax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from pallas_flash import attention, validation
+from pallas_flash.sinks import check_sinks
 
 __all__ = ["sharded_flash_attention"]
 
@@ -140,8 +141,8 @@ def sharded_flash_attention(q, k, v, *, mesh: Mesh, batch_axis: AxisNames = None
       head_axis: mesh axis name (or tuple) that splits the heads. Both the q heads and the kv
         heads must be divisible by its size, so each device holds whole GQA groups.
       **flash_options: any other `flash_attention` argument (causal, window, segment ids,
-        lengths, return_lse, config, ...). Segment ids and lengths are split over batch_axis
-        with the batch.
+        lengths, sinks, return_lse, config, ...). Segment ids and lengths are split over
+        batch_axis with the batch, sinks over head_axis with the heads.
 
     Returns:
       What `flash_attention` returns, as global arrays sharded like the inputs (lse
@@ -149,7 +150,9 @@ def sharded_flash_attention(q, k, v, *, mesh: Mesh, batch_axis: AxisNames = None
 
     Under `jax.jit` with inputs already laid out this way (e.g. `NamedSharding(mesh,
     P(batch_axis, None, head_axis, None))`), the compiled program has no all-gather, all-to-all
-    or all-reduce for the attention, forward or backward. Other layouts are resharded first.
+    or all-reduce for the attention, forward or backward, except with sinks and a batch_axis:
+    the sinks' gradient is then summed over the batch shards (one all-reduce of q_heads
+    floats). Other layouts are resharded first.
     """
     unknown = set(flash_options) - _FLASH_OPTIONS
     if unknown:
@@ -165,6 +168,9 @@ def sharded_flash_attention(q, k, v, *, mesh: Mesh, batch_axis: AxisNames = None
 
     ids = {name: flash_options.pop(name) for name in ID_OPTIONS
            if flash_options.get(name) is not None}
+    if flash_options.get("sinks") is not None:
+        # An operand split with the heads, not a static option: each device takes its own.
+        ids["sinks"] = check_sinks(flash_options.pop("sinks"), q.shape[2])
     flash_options = {name: value for name, value in flash_options.items() if value is not None}
     if isinstance(flash_options.get("window"), list):
         flash_options["window"] = tuple(flash_options["window"])
@@ -179,7 +185,8 @@ def _sharded_flash_fn(mesh, batch_axis, head_axis, static, id_names):
     options = dict(static)
     b, h = partition_entry(batch_axis), partition_entry(head_axis)
     heads = PartitionSpec(b, None, h, None)
-    id_specs = [PartitionSpec(b, None) if name.endswith("segment_ids") else PartitionSpec(b)
+    id_specs = [PartitionSpec(h) if name == "sinks" else
+                PartitionSpec(b, None) if name.endswith("segment_ids") else PartitionSpec(b)
                 for name in id_names]
     out_specs = (heads, PartitionSpec(b, h, None)) if options.get("return_lse") else heads
 

@@ -16,7 +16,8 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import pallas_flash as pf
-from helpers import compare_results, make_mesh, random_inputs, single_device
+from helpers import (assert_close, compare_results, make_mesh, random_inputs, single_device,
+                     tolerance)
 
 pytestmark = pytest.mark.skipif(len(jax.devices()) < 2, reason="needs at least 2 devices")
 F32 = jnp.float32
@@ -75,6 +76,40 @@ def test_batch_head_sharding_has_no_collectives(batch_axis, head_axis, explicit,
     flash, ref = single_device(q, k, v, do, dlse, **options)
     compare_results("vs flash_attention", (out, lse, grads), flash, F32)
     compare_results("vs reference", (out, lse, grads), ref, F32)
+
+
+@pytest.mark.parametrize("batch_axis,head_axis", [
+    ("data", "heads"), (None, ("data", "heads")), (("data", "heads"), None)])
+def test_sinks_split_with_the_heads(batch_axis, head_axis):
+    """Sinks travel with their heads: each device takes its own heads' sinks, and the sinks'
+    gradient, which sums over the batch, is summed over the batch shards too."""
+    mesh = make_mesh((2, 2), ("data", "heads"))
+    q, k, v, do = random_inputs(jax.random.PRNGKey(13), 4, 24, 24, 4, 4, 16, F32)
+    dlse = _dlse(jax.random.PRNGKey(14), q)
+    sinks = jax.random.normal(jax.random.PRNGKey(15), (4,), F32)
+
+    def run(attend, q, k, v, sinks):
+        (out, lse), vjp = jax.vjp(lambda *a: attend(*a[:3], sinks=a[3]), q, k, v, sinks)
+        return out, lse, vjp((do, dlse))
+
+    sharded = functools.partial(pf.sharded_flash_attention, mesh=mesh, batch_axis=batch_axis,
+                                head_axis=head_axis, causal=True, return_lse=True)
+    single = functools.partial(pf.flash_attention, causal=True, return_lse=True)
+    ref = functools.partial(pf.reference_attention, causal=True, return_lse=True)
+    got = jax.jit(functools.partial(run, sharded))(q, k, v, sinks)
+    for name, want in (("flash_attention", run(single, q, k, v, sinks)),
+                       ("reference", run(ref, q, k, v, sinks))):
+        compare_results(f"vs {name}", (got[0], got[1], got[2][:3]),
+                        (want[0], want[1], want[2][:3]), F32)
+        assert_close(f"dsinks vs {name}", got[2][3], want[2][3], tolerance(F32))
+
+
+def test_sinks_are_checked_against_the_global_heads():
+    mesh = make_mesh((2,), ("x",))
+    q = k = v = jax.ShapeDtypeStruct((2, 32, 4, 16), F32)
+    with pytest.raises(ValueError, match=r"sinks must have shape \[q_heads\] = \(4,\)"):
+        pf.sharded_flash_attention(q, k, v, mesh=mesh, head_axis="x",
+                                   sinks=jnp.zeros((2,), F32))
 
 
 def test_collective_check_can_fail():

@@ -76,9 +76,10 @@ _RANDOM_KEYS = 4096
 # (each on its own query argument, so that XLA cannot merge them) and the time is divided.
 PROGRAM_BYTES = 1 << 30
 MAX_CALLS = 64
-# Consecutive calls cycle over copies of the cache that together hold at least this many bytes,
-# several times the H200's 50 MB L2, so that a call finds none of its K/V in L2, as in a model
-# where every layer reads its own cache.
+# Consecutive calls cycle over copies of the cache that together hold this many bytes (at most
+# MAX_COPIES copies: about 134 MB for the smallest default case), more than the H200's 50 MB
+# L2, so that a call finds none of its K/V in L2, as in a model where every layer reads its own
+# cache.
 ROTATE_BYTES = 256 << 20
 MAX_COPIES = 8
 # Interpret mode on a CPU: two calls over two copies for the smoke case, to exercise both.

@@ -9,7 +9,8 @@ Markdown and rewrites only the marked blocks of the docs, so that no table is ed
 
 Blocks: ``headline`` (a few shapes, pallas_flash against cuDNN, for README.md), ``speed``
 (every row of the benchmark JSONs), ``memory`` (the memory sweep), ``cold-start`` (process
-start to the third training step) and ``decode`` (decode attention's bandwidth). The opening
+start to the third training step), ``decode`` (decode attention's bandwidth) and
+``train-step`` (the Llama-style training step, attention swapped). The opening
 marker keeps the files it was generated from, so ``--report`` without files regenerates every
 block from the files it names.
 """
@@ -24,7 +25,6 @@ import subprocess
 from pallas_flash.bench.cases import PLAIN, seq_label
 from pallas_flash.bench.decode import LAYOUTS
 
-BLOCKS = ("headline", "speed", "memory", "cold-start", "decode")
 _BLOCK_RE = re.compile(r"<!-- bench-report:(?P<name>[a-z-]+)(?P<attrs>[^>]*?)\s*-->\n?"
                        r"(?P<body>.*?)<!-- /bench-report:(?P=name) -->", re.S)
 # (case, causal) rows of the headline table, when the results hold them.

@@ -13,8 +13,8 @@ Where fused_backward.py serves the call (config.fused), it runs instead of these
   atomics, deterministic) and the q blocks that see its keys, in the transposed orientation
   (key rows are the wgmma M dimension; m, r, D index columns):
       S^T = K Q^T,  P^T,  dP^T = V dO^T,  dS^T,  dV += P^T dO,  dK += dS^T Q.
-  Two compute warpgroups own 64 key rows each; at head_dim 256 (registers) they own the same
-  64 rows and split the columns of dK and dV, and `dkdv_paired` divides the recomputation.
+  Two compute warpgroups own 64 key rows each; above head_dim 128 (registers) they own the
+  same 64 rows and split the columns of dK and dV, and `dkdv_paired` divides the recomputation.
 * dQ `pallas_flash_mosaic_bwd_dq`: grid (q tile, q head, batch), dq_compute_wgs warpgroups of
   64 q rows, looping over key blocks:  S = Q K^T,  P,  dP,  dS,  dQ += dS K.
 
@@ -49,7 +49,6 @@ from pallas_flash.mosaic.tiles import (accumulate, bcast_cols, bcast_rows, cast_
                                       transposed_probabilities,
                                       transposed_score_grads, transposed_weights, zeros_acc)
 from pallas_flash.mosaic.schedule import TileGrid, backward_orders, grid_position
-from pallas_flash.mosaic.schedule import backward_orders as _launch_orders  # noqa: F401
 from pallas_flash.spec import AttentionSpec
 from pallas_flash.stats import LOG2E, RowStats, logit_scale, output_dot
 

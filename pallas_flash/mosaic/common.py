@@ -12,8 +12,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_flash.masking import with_segment_range
-from pallas_flash.mosaic.schedule import (CLUSTER_AXIS, TileGrid, cluster_tiles,  # noqa: F401
-                                         grid_position, launch_head_chunk)
+from pallas_flash.mosaic.schedule import TileGrid, cluster_tiles, grid_position
 from pallas_flash.spec import AttentionSpec
 
 

@@ -94,7 +94,7 @@ class MosaicForwardConfig:
     pingpong: bool = True
     # Lag P V by one block so the softmax of block j runs while P_{j-1} V_{j-1} is on the
     # tensor cores (FlashAttention-3's intra-warpgroup pipelining); costs a second P tile of
-    # registers. On by default at head_dim 128 / 256 and with three compute warpgroups.
+    # registers. On by default above head_dim 64, and with three compute warpgroups at 64.
     overlap: bool = False
     # setmaxnreg budgets: the copy warpgroup keeps what TMA issue needs, the compute
     # warpgroups take the rest of register_budget(compute_wgs + 1) (2 x 232 + 40 = 504).
@@ -277,7 +277,7 @@ class MosaicBackwardConfig:
     fused_dq_slots: int = 1
     # A folder for Mosaic GPU traces of the fused kernel (common.profile_params); "" for none.
     fused_profile_dir: str = ""
-    # At head_dim 256 the dK/dV kernel's two warpgroups own the same 64 keys (split columns):
+    # Above head_dim 128 the dK/dV kernel's two warpgroups own the same 64 keys (split columns):
     # divide the recomputation (one forms P^T, the other dP^T and dS^T, exchanged through
     # shared memory), 4 matmul units a step instead of 6.
     dkdv_paired: bool = False

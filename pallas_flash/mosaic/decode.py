@@ -96,7 +96,8 @@ class DecodeTiles:
 
     def __post_init__(self):
         if self.block_kv % 64 or not 64 <= self.block_kv <= 256:
-            raise ValueError(f"DecodeTiles.block_kv must be 64, 128 or 256, got {self.block_kv}")
+            raise ValueError(f"DecodeTiles.block_kv must be 64, 128, 192 or 256, got "
+                             f"{self.block_kv}")
         if self.stages < 2:
             raise ValueError(f"DecodeTiles.stages must be >= 2, got {self.stages}")
         if self.compute_wgs not in (1, 2):
@@ -154,8 +155,8 @@ def default_tiles(plan) -> DecodeTiles:
     # 64 keys a block, 128 at head_dim 64: 16 KB copies, and every chunk is a whole number of
     # blocks (a chunk is a multiple of 64 keys).
     block_kv = 128 if plan.head_dim <= 64 and plan.chunk % 128 == 0 else 64
-    # Rows past 64 take a second compute warpgroup, at head_dim 256 a second row tile (the
-    # shared memory of two Q tiles and two K / V slots does not fit at once).
+    # Rows past 64 take a second compute warpgroup up to head_dim 128, and above it a second
+    # row tile (at 256 the shared memory of two Q tiles and two K / V slots does not fit).
     compute_wgs = 2 if plan.rows > WG_ROWS and plan.head_dim <= 128 else 1
     slot = 2 * block_kv * plan.head_dim * itemsize
     # Slots sized for two CTAs a SM where they fit half its shared memory (registers keep one

@@ -1,6 +1,6 @@
 """Forward kernel for Hopper (sm_90), lowered through Pallas Mosaic GPU.
 
-Contract of `triton.forward.forward`: O [batch, seq_q, q_heads, head_dim] in q's dtype and
+Contract of `triton.forward.forward`: O [batch, seq_q, q_heads, head_dim_v] in q's dtype and
 stats.RowStats (m, r), float32 [batch, q_heads, seq_q], in logit units (stats.py). A row that
 sees no key leaves with O = 0, m = 0 and r = -inf. With sinks, each head's sink logit joins
 the denominator in the epilogue (stats.sink_epilogue), as in the Triton forward.
@@ -56,7 +56,6 @@ from pallas_flash.mosaic.config import (SMEM_LIMIT, MosaicForwardConfig, default
 from pallas_flash.mosaic.schedule import (CLUSTER_AXIS, TileGrid, device_sms, forward_item,
                                          forward_order, persistent_forward_plan)
 from pallas_flash.mosaic.tiles import product
-from pallas_flash.mosaic.schedule import forward_order as _launch_order  # noqa: F401
 from pallas_flash.spec import AttentionSpec
 from pallas_flash.stats import LOG2E, RowStats, logit_scale, sink_epilogue
 
@@ -456,7 +455,7 @@ def _kernel_body(q_ref, k_ref, v_ref, q_ids_ref, kv_ids_ref, cta_seg_ref, wg_seg
 
 def forward(spec: AttentionSpec, q, k, v, q_ids=None, kv_ids=None, sinks=None, *,
             config: MosaicForwardConfig | None = None):
-    """O [batch, seq_q, q_heads, head_dim] and stats.RowStats (each [batch, q_heads, seq_q]).
+    """O [batch, seq_q, q_heads, head_dim_v] and stats.RowStats (each [batch, q_heads, seq_q]).
     sinks: None, or float [q_heads] sink logits, folded into the softmax in the epilogue.
 
     Raises NotImplementedError for anything this kernel does not serve (`unsupported_reason`).

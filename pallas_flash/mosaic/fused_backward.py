@@ -63,13 +63,10 @@ from pallas_flash.mosaic.tiles import (F16_CAST_LIMIT, bcast_cols, bcast_rows, p
 from pallas_flash.mosaic.schedule import (device_sms, fused_first_tiles, fused_grid,
                                          fused_head_chunk, fused_item, fused_launches,
                                          fused_position, persistent_plan)
-from pallas_flash.mosaic.schedule import fused_first_tiles as _first_tiles  # noqa: F401
-from pallas_flash.mosaic.schedule import fused_grid as _grid  # noqa: F401
-from pallas_flash.mosaic.schedule import fused_head_chunk as head_chunk  # noqa: F401
 from pallas_flash.spec import AttentionSpec
 from pallas_flash.stats import LOG2E, logit_scale
 
-__all__ = ["FUSED_KERNEL_NAME", "dk_cast_scales", "dq_cast_scales", "fused_backward", "head_chunk",
+__all__ = ["FUSED_KERNEL_NAME", "dk_cast_scales", "dq_cast_scales", "fused_backward",
            "stat_rows", "unsupported_reason"]
 
 FUSED_KERNEL_NAME = "pallas_flash_mosaic_bwd_fused"
