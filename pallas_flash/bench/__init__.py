@@ -13,8 +13,9 @@ process.
   :mod:`~pallas_flash.bench.cold_start_child` in fresh processes;
 - :mod:`~pallas_flash.bench.decode`: ``decode_attention`` against the copy bandwidth
   (``--decode``);
-- :mod:`~pallas_flash.bench.train_step`: a Llama-style training step (:mod:`~pallas_flash.bench.llama`)
-  with the attention swapped (``python -m pallas_flash.bench.train_step``);
+- :mod:`~pallas_flash.bench.train_step`: a Llama-style training step
+  (:mod:`~pallas_flash.bench.llama`) with the attention swapped
+  (``python -m pallas_flash.bench.train_step``);
 - :mod:`~pallas_flash.bench.report`: results files, tables and the Markdown report (``--report``);
 - :mod:`~pallas_flash.bench.plots`: the PNG plots.
 """
