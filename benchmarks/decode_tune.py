@@ -43,7 +43,7 @@ import jax.numpy as jnp  # noqa: E402
 from pallas_flash import decode  # noqa: E402
 from pallas_flash.bench import decode as bench_decode  # noqa: E402
 from pallas_flash.bench.report import git_commit  # noqa: E402
-from pallas_flash.bench.timing import time_calls  # noqa: E402
+from pallas_flash.bench.timing import default_warm_s, time_calls  # noqa: E402
 from pallas_flash.mosaic import decode as mosaic_decode  # noqa: E402
 
 
@@ -173,7 +173,7 @@ def main(argv=None):
                         raise fn
                     times, _ = time_calls(fn, jobs[index, name][1], args.iters, 2,
                                           pipelined=True,
-                                          warm_s=bench_decode.WARM_S_GPU if on_gpu else 0.0)
+                                          warm_s=default_warm_s())
                 except Exception as e:  # noqa: BLE001 - a failing pair is a result row
                     row[f"{name}_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
                     continue

@@ -13,7 +13,7 @@ import jax
 from pallas_flash.bench import cases, cold_start, decode, memory, report
 from pallas_flash.bench.impls import DEFAULT_IMPLS, IMPLS
 from pallas_flash.bench.plots import plot_memory, plot_speed
-from pallas_flash.bench.timing import run_case
+from pallas_flash.bench.timing import default_warm_s, run_case
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -179,6 +179,7 @@ def metadata(args, argv) -> dict:
         "iters_fwd": args.iters,
         "iters_fwdbwd": args.iters_bwd,
         "warmup": args.warmup,
+        "warm_s": default_warm_s(),
         "timer": args.timer,
         "ref_rows": args.ref_rows,
         "flops": "fwd = 2*B*Hq*Sq*Skv*(D+Dv), Dv = D unless given (/2 causal); "

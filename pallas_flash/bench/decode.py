@@ -46,7 +46,7 @@ import pallas_flash
 from pallas_flash.bench.accuracy import rel_err
 from pallas_flash.bench.cases import parse_seq, seq_label
 from pallas_flash.bench.impls import NotApplicable, import_tokamax, short_error
-from pallas_flash.bench.timing import time_calls
+from pallas_flash.bench.timing import default_warm_s, time_calls
 
 # The matrix of the issue: every combination of these, q_len 1 and 4, both cache layouts.
 BATCHES = (1, 4, 16, 64)
@@ -82,12 +82,11 @@ MAX_CALLS = 64
 # cache.
 ROTATE_BYTES = 256 << 20
 MAX_COPIES = 8
+# Seconds of back-to-back calls before a group's first row on a GPU, which sat idle while the
+# group compiled; later rows take timing.WARM_S_GPU.
+GROUP_WARM_S = 2.0
 # Interpret mode on a CPU: two calls over two copies for the smoke case, to exercise both.
 CPU_PROGRAM_BYTES = CPU_ROTATE_BYTES = 256 << 10
-# Seconds of back-to-back calls before a case is timed on a GPU: a program of a short context
-# lasts well under a millisecond, too little for the warmup calls alone to lift the clock that
-# compiling left low (docs/performance.md, "Decoding").
-WARM_S_GPU = 0.25
 
 
 @dataclasses.dataclass(frozen=True)
@@ -206,7 +205,8 @@ def measure_copy(nbytes: int, iters: int, warmup: int, pipelined: bool) -> dict:
     n = nbytes // 4
     cols = 1 << 16 if n >= 1 << 16 else n
     x = jnp.zeros((n // cols, cols), jnp.uint32)
-    times, out = time_calls(jax.jit(lambda a: a + 1), (x,), iters, warmup, pipelined)
+    times, out = time_calls(jax.jit(lambda a: a + 1), (x,), iters, warmup, pipelined,
+                            default_warm_s())
     del out, x
     moved = 2 * (n // cols) * cols * 4
     t = statistics.median(times)
@@ -273,18 +273,21 @@ def repeated(fn: Callable, calls: int) -> Callable:
     """run(qs, caches, kv_lengths, *rest) -> outs: `calls` calls of fn, call i on query qs[i]
     and cache copy caches[i % len(caches)] (a (k, v) pair).
 
-    Each call's query is its own argument, so that XLA cannot merge equal calls, and it passes
-    through an optimization barrier together with the previous call's output, so that every
-    call depends on the one before: calls that share a cache copy then cannot be merged either
-    (XLA's dot merger would otherwise turn the products of several queries with one cached K
-    into one product that reads K once, which no real decoding step can do)."""
+    Each call's query is its own argument, so that XLA cannot merge equal calls, and the query
+    and the cache pass through an optimization barrier together with the previous call's
+    output, so that every call depends on the one before and sees its cache as a value of its
+    own: calls that share a cache copy then cannot be merged (XLA's dot merger would otherwise
+    turn the products of several queries with one cached K into one product that reads K
+    once), nor share work done on the cache alone (a transpose of K that a comparator computes
+    once per copy instead of once per call), which no real decoding step can do. The barrier
+    launches nothing."""
     def run(qs, caches, kv_lengths, *rest):
         outs, prev = [], None
         for i in range(calls):
-            q = qs[i]
+            q, (k, v) = qs[i], caches[i % len(caches)]
             if prev is not None:
-                q, _ = jax.lax.optimization_barrier((q, prev))
-            prev = fn(q, *caches[i % len(caches)], kv_lengths, *rest)
+                q, k, v, _ = jax.lax.optimization_barrier((q, k, v, prev))
+            prev = fn(q, k, v, kv_lengths, *rest)
             outs.append(prev)
         return tuple(outs)
     return run
@@ -316,13 +319,12 @@ def compile_all(jobs: dict, workers: int) -> dict:
         return dict(zip(jobs, pool.map(one, jobs.values())))
 
 
-def _time(fn, args: tuple, calls: int, opts) -> tuple[dict, Any]:
+def _time(fn, args: tuple, calls: int, opts, warm_s: float) -> tuple[dict, Any]:
     """Row fields (the time of one call) and the output of the last call."""
     try:
         if isinstance(fn, Exception):
             raise fn
-        times, outs = time_calls(fn, args, opts.iters, opts.warmup, opts.pipelined,
-                                 warm_s=WARM_S_GPU if jax.default_backend() == "gpu" else 0.0)
+        times, outs = time_calls(fn, args, opts.iters, opts.warmup, opts.pipelined, warm_s)
         times, out = [t / calls for t in times], outs[-1]
     except NotApplicable as e:
         return {"status": "n.a.", "error": str(e)}, None
@@ -335,7 +337,11 @@ def _time(fn, args: tuple, calls: int, opts) -> tuple[dict, Any]:
 
 
 def run_group(group: Group, impls: list[str], opts, copy_gbps: float, key) -> dict:
-    """Every case of one cache shape: all q_heads and q_lens, contiguous then paged.
+    """Every case of one cache shape: all q_heads and q_lens, each implementation on the
+    contiguous cache and (ours) the paged one one after the other, the order of the rows
+    reversed from one case to the next, so that neither a layout nor an implementation is
+    always timed first. The group's first row is timed after GROUP_WARM_S of calls: the GPU sat
+    idle while the group compiled.
 
     Returns {"rows": [...], "compile_s", "seconds"}."""
     start = time.perf_counter()
@@ -366,9 +372,9 @@ def run_group(group: Group, impls: list[str], opts, copy_gbps: float, key) -> di
                for i, case in enumerate(cases)}
     rows, outputs = [], {}
 
-    def record(hq, q_len, layout, name, caches, table, ref):
+    def record(hq, q_len, layout, name, caches, table, ref, warm_s):
         args = ((queries[hq, q_len],) * calls, caches, lengths, table)
-        fields, out = _time(compiled[hq, q_len, layout, name], args, calls, opts)
+        fields, out = _time(compiled[hq, q_len, layout, name], args, calls, opts, warm_s)
         row = {"batch": b, "context": c, "q_len": q_len, "q_heads": hq, "kv_heads": hkv,
                "head_dim": d, "layout": layout,
                "page_size": opts.page_size if layout == "paged" else None,
@@ -384,21 +390,21 @@ def run_group(group: Group, impls: list[str], opts, copy_gbps: float, key) -> di
         rows.append(row)
 
     refs = {case: _reference_first(queries[case], k_cache, v_cache, lengths) for case in cases}
-    caches = _copies(k_cache, v_cache, copies)
-    for hq, q_len in cases:
-        for name in impls:
-            record(hq, q_len, "contiguous", name, caches, None, refs[hq, q_len])
-
-    # The paged pools replace the contiguous caches, so at most two sets are ever alive.
+    # Both layouts stay alive, so that they can be timed side by side: two sets of copies.
     perm = np.random.default_rng(opts.seed).permutation(b * pages)
     table = jnp.asarray(perm.reshape(b, pages).astype(np.int32))
+    layouts = {"contiguous": (_copies(k_cache, v_cache, copies), None)}
     k_pool, v_pool = page(k_cache, opts.page_size, perm), page(v_cache, opts.page_size, perm)
-    del k_cache, v_cache, caches
-    caches = _copies(k_pool, v_pool, copies)
+    del k_cache, v_cache
+    layouts["paged"] = (_copies(k_pool, v_pool, copies), table)
     del k_pool, v_pool
-    for hq, q_len in cases:
-        for name in (n for n in impls if n in OURS):
-            record(hq, q_len, "paged", name, caches, table, refs[hq, q_len])
+    warm_s = GROUP_WARM_S if jax.default_backend() == "gpu" else 0.0
+    for i, (hq, q_len) in enumerate(cases):
+        order = [(name, layout) for name in impls for layout in LAYOUTS
+                 if layout == "contiguous" or name in OURS]
+        for name, layout in (order if i % 2 == 0 else order[::-1]):
+            record(hq, q_len, layout, name, *layouts[layout], refs[hq, q_len], warm_s)
+            warm_s = default_warm_s()
     add_comparisons(rows, outputs)
     return {"rows": rows, "compile_s": compile_s, "seconds": time.perf_counter() - start}
 

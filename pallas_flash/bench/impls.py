@@ -51,9 +51,21 @@ def _pallas_flash(backend: str = "auto"):
 
 def pop_segment_mask(kw: dict):
     """The segment ids popped from kw as a dense [B, 1, Sq, Skv] boolean mask (None without),
-    for APIs that take no segment ids. 16k x 16k is 256 MiB of bool, fine for a benchmark."""
+    for APIs that take no segment ids: kw's DENSE_MASK when the caller built it (outside the
+    timed function, as a model would hold it), else built here. 16k x 16k is 256 MiB of bool."""
     q_ids, kv_ids = kw.pop("q_segment_ids", None), kw.pop("kv_segment_ids", None)
-    return None if q_ids is None else q_ids[:, None, :, None] == kv_ids[:, None, None, :]
+    mask = kw.pop(DENSE_MASK, None)
+    if mask is not None or q_ids is None:
+        return mask
+    return dense_segment_mask(q_ids, kv_ids)
+
+
+# kw key of a dense mask built from the segment ids before the timed call (`pop_segment_mask`).
+DENSE_MASK = "dense_segment_mask"
+
+
+def dense_segment_mask(q_ids, kv_ids):
+    return q_ids[:, None, :, None] == kv_ids[:, None, None, :]
 
 
 def import_tokamax():
@@ -92,6 +104,7 @@ def _jax_pallas_triton(q, k, v, causal, **kw):
     # cases are self-attention with identical q and kv ids.
     segment_ids = kw.pop("q_segment_ids", None)
     kw.pop("kv_segment_ids", None)
+    kw.pop(DENSE_MASK, None)
     if kw:
         raise NotApplicable(f"unsupported options {sorted(kw)}")
     blocks = jax_attention.BlockSizes(block_q=128, block_k=64, block_q_dkv=64,

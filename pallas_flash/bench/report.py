@@ -219,6 +219,8 @@ def _source_line(path: str, meta: dict, with_timer: bool, complete: bool = True)
                      "backward calls)")
         else:
             text += f", per-call timer (median of {fwd} forward / {bwd} backward calls)"
+        if meta.get("warm_s"):
+            text += f", each pass timed after {meta['warm_s']:g} s of back-to-back calls"
     if not complete:
         text += "; cut by its time limit, the case it stopped in left out"
     return text + "."

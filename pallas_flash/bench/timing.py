@@ -10,7 +10,9 @@ For every case and implementation three jitted functions are timed:
   FlashAttention's benchmarks take it; a difference of two medians would move the forward's
   noise, with the opposite sign, into the backward.
 
-Each function is called ``--warmup`` times first (the first call compiles). With the default
+Each function is called ``--warmup`` times first (the first call compiles), then, on a GPU,
+called back to back for WARM_S_GPU seconds, so that it is not timed at the low clock a GPU
+runs at after idling through the compile. With the default
 timer (``call``) each of ``--iters`` (forward) or ``--iters-bwd`` calls is ended by
 ``jax.block_until_ready`` and the median is reported; every launch's host latency then lands in
 the time, more so for programs of several launches. With ``--timer pipelined`` the calls run back
@@ -32,7 +34,19 @@ import jax
 
 from pallas_flash.bench.accuracy import add_accuracy
 from pallas_flash.bench.cases import DTYPES, PLAIN, Case, case_flops, make_inputs, variant_kwargs
-from pallas_flash.bench.impls import IMPLS, NotApplicable, short_error
+from pallas_flash.bench.impls import (DENSE_MASK, IMPLS, NotApplicable, dense_segment_mask,
+                                      short_error)
+
+
+# Seconds of back-to-back calls before a function is timed on a GPU: a program lasting well under
+# a millisecond needs about this long to lift the clock that compiling left low
+# (docs/performance.md, "Decoding").
+WARM_S_GPU = 0.25
+
+
+def default_warm_s() -> float:
+    """WARM_S_GPU on a GPU; 0 elsewhere, where there is no clock to lift."""
+    return WARM_S_GPU if jax.default_backend() == "gpu" else 0.0
 
 
 def time_calls(f, args, iters: int, warmup: int, pipelined: bool = False,
@@ -98,14 +112,15 @@ def make_backward(fn, causal: bool, static_kw: dict, q, k, v, do, arrays):
 
 
 def bench_impl(fn, q, k, v, do, causal, kw, iters, iters_bwd, warmup,
-               pipelined: bool = False) -> tuple[dict, Any]:
-    """Time one implementation. Returns (row fields, forward output or None)."""
+               pipelined: bool = False, warm_s: float = 0.0) -> tuple[dict, Any]:
+    """Time one implementation, each pass after warm_s seconds of back-to-back calls. Returns
+    (row fields, forward output or None)."""
     row: dict[str, Any] = {"status": "ok", "error": None}
     arrays, static = split_kwargs(kw)
     fwd, fwdbwd = make_fns(fn, causal, static)
     out = None
     try:
-        times, out = time_calls(fwd, (q, k, v, arrays), iters, warmup, pipelined)
+        times, out = time_calls(fwd, (q, k, v, arrays), iters, warmup, pipelined, warm_s)
         row["fwd_times_ms"] = [t * 1e3 for t in times]
         row["fwd_ms"] = statistics.median(times) * 1e3
     except NotApplicable as e:
@@ -114,12 +129,12 @@ def bench_impl(fn, q, k, v, do, causal, kw, iters, iters_bwd, warmup,
         return {"status": "error", "error": short_error(e)}, None
     try:
         times, grads = time_calls(fwdbwd, (q, k, v, do, arrays), iters_bwd, warmup,
-                                  pipelined)
+                                  pipelined, warm_s)
         del grads
         row["fwdbwd_times_ms"] = [t * 1e3 for t in times]
         row["fwdbwd_ms"] = statistics.median(times) * 1e3
         bwd, bwd_args = make_backward(fn, causal, static, q, k, v, do, arrays)
-        times, grads = time_calls(bwd, bwd_args, iters_bwd, warmup, pipelined)
+        times, grads = time_calls(bwd, bwd_args, iters_bwd, warmup, pipelined, warm_s)
         del grads, bwd_args
         row["bwd_times_ms"] = [t * 1e3 for t in times]
         row["bwd_ms"] = statistics.median(times) * 1e3
@@ -139,7 +154,12 @@ def run_case(case: Case, impl_names, args, key, on_row=None) -> list[dict]:
     kw = variant_kwargs(case, k_var)
     # cuDNN first, so its output exists when the others are compared with it.
     names = sorted(impl_names, key=lambda n: n != "cudnn")
-    runs = [(n, IMPLS[n], kw) for n in names]
+    # APIs without segment ids take a dense mask, built here once: a model holds its mask, so
+    # building it is no part of the attention's time.
+    dense = dict(kw)
+    if "q_segment_ids" in kw:
+        dense[DENSE_MASK] = dense_segment_mask(kw["q_segment_ids"], kw["kv_segment_ids"])
+    runs = [(n, IMPLS[n], kw if n.startswith("pallas_flash") else dense) for n in names]
     if case.variant and "pallas_flash" in impl_names:
         runs.append((PLAIN, IMPLS["pallas_flash"], {}))
 
@@ -148,7 +168,7 @@ def run_case(case: Case, impl_names, args, key, on_row=None) -> list[dict]:
         print(f"  {case.name} causal={case.causal} {name} ...", flush=True)
         fields, out = bench_impl(fn, q, k, v, do, case.causal, dict(run_kw),
                                  args.iters, args.iters_bwd, args.warmup,
-                                 args.timer == "pipelined")
+                                 args.timer == "pipelined", default_warm_s())
         row = {"case": case.name, "variant": case.variant, "batch": case.batch,
                "seq": case.seq, "q_heads": case.q_heads, "kv_heads": case.kv_heads,
                "head_dim": case.head_dim, "head_dim_v": case.head_dim_v,

@@ -248,6 +248,31 @@ def test_variants_small(tmp_path, monkeypatch):
               str(tmp_path)])
 
 
+def test_comparators_take_the_dense_mask_as_an_argument(tmp_path, monkeypatch):
+    """APIs without segment ids get the packed case's dense mask built once, before the timed
+    functions, as a jit argument (a model holds its mask); ours get the segment ids."""
+    seen = {}
+
+    def spy(name, fn):
+        def wrapped(q, k, v, causal, **kw):
+            seen.setdefault(name, set()).update(kw)
+            return fn(q, k, v, causal, **kw)
+        return wrapped
+
+    for name in ("pallas_flash", "xla"):
+        monkeypatch.setitem(impls.IMPLS, name, spy(name, impls.IMPLS[name]))
+    monkeypatch.setattr(cases, "variant_cases", lambda: [cases.Case(1, 64, 1, 1, 16, True,
+                                                                    "packed")])
+    result = main(["--smoke", "--cases", "none", "--variants", "packed",
+                   "--impls", "pallas_flash,xla", "--out", str(tmp_path)])
+    assert {r["status"] for r in result["results"]} == {"ok"}
+    assert impls.DENSE_MASK in seen["xla"] and impls.DENSE_MASK not in seen["pallas_flash"]
+    assert "q_segment_ids" in seen["pallas_flash"]
+    mask = impls.dense_segment_mask(jnp.array([[0, 0, 1]]), jnp.array([[0, 1, 1]]))
+    kw = {"q_segment_ids": 0, "kv_segment_ids": 0, impls.DENSE_MASK: mask}
+    assert impls.pop_segment_mask(kw) is mask and not kw
+
+
 def test_runs_started_in_one_second_get_their_own_files(tmp_path):
     # Two benchmark processes started in the same second (one per GPU of a host) must not
     # write the same bench_<stamp>.json.

@@ -262,3 +262,32 @@ def test_repeated_calls_are_chained_not_merged():
     for i, out in enumerate(outs):
         want = fn(qs[i], *caches[i % copies], lengths)
         np.testing.assert_allclose(np.asarray(out), np.asarray(want), rtol=1e-6, atol=1e-6)
+
+
+def test_repeated_calls_share_no_work_on_the_cache():
+    """Work that reads only the cache (a transpose of K, as jax.nn's XLA path does) runs once
+    per call, not once per cache copy: every call sees its cache through the barrier."""
+    calls, copies = 4, 2
+    q = jnp.ones((1, 1, 4, 8))
+    cache = (jnp.ones((1, 16, 4, 8)), jnp.ones((1, 16, 4, 8)))
+
+    def fn(q, k, v, lengths):
+        del lengths
+        return jnp.sin(k).sum() * q
+
+    run = decode.repeated(fn, calls)
+    text = jax.jit(run).lower([q] * calls, [cache] * copies,
+                              jnp.ones((1,), jnp.int32)).compile().as_text()
+    assert text.count("sine(") == calls
+
+
+def test_rows_alternate_layouts_and_reverse_from_case_to_case(smoke):
+    """Each implementation's contiguous and paged rows sit side by side, and the order of a
+    case's rows is the previous case's reversed: no layout or implementation is always first."""
+    result, _ = smoke
+    rows = result["decode"]["rows"]
+    first = [(r["impl"], r["layout"]) for r in rows if r["q_len"] == 1]
+    second = [(r["impl"], r["layout"]) for r in rows if r["q_len"] == 4]
+    assert first[:2] == [("pallas_flash", "contiguous"), ("pallas_flash", "paged")]
+    assert second == first[::-1]
+    assert [r["q_len"] for r in rows] == [1] * len(first) + [4] * len(second)
