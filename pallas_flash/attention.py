@@ -167,7 +167,7 @@ def flash_attention(
         `jax.nn.dot_product_attention`), or j <= i + seq_kv - seq_q with
         ``causal_alignment="bottom_right"`` (the last query sees every key: decoding, chunked
         prefill).
-      scale: logit multiplier; default 1/sqrt(head_dim) (Q/K's).
+      scale: a positive logit multiplier (a normal float32); default 1/sqrt(head_dim) (Q/K's).
       return_lse: also return lse [batch, q_heads, seq_q], float32, the natural-log logsumexp of
         each row's scaled (and soft-capped) logits. Both outputs are differentiable.
       causal_alignment: "top_left" (default) or "bottom_right"; also anchors `window`.

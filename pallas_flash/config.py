@@ -20,6 +20,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 __all__ = ["KernelConfig", "FlashConfig", "default_config", "shared_memory_bytes",
            "shared_memory_limit", "check_shared_memory"]
@@ -58,11 +59,13 @@ class KernelConfig:
                     f"KernelConfig.{name} must be a power of two in [{_MIN_BLOCK}, {_MAX_BLOCK}] "
                     f"(the Triton lowering rejects other tile sizes), got {value}"
                 )
-        if self.num_warps not in (1, 2, 4, 8, 16):
+        if isinstance(self.num_warps, bool) or not isinstance(self.num_warps, int) or (
+                self.num_warps not in (1, 2, 4, 8, 16)):
             raise ValueError(
                 f"KernelConfig.num_warps must be one of 1, 2, 4, 8, 16, got {self.num_warps!r}"
             )
-        if not isinstance(self.num_stages, int) or self.num_stages < 1:
+        if (isinstance(self.num_stages, bool) or not isinstance(self.num_stages, int)
+                or self.num_stages < 1):
             raise ValueError(f"KernelConfig.num_stages must be an int >= 1, got {self.num_stages!r}")
 
 
@@ -89,6 +92,8 @@ def default_config(head_dim: int, dtype, *, head_dim_v: int | None = None) -> Fl
     head_dim_v: V's head_dim where it differs from Q/K's (MLA). The wider of the two picks the
     row: every kernel holds tiles of both, and the wider bounds registers and shared memory.
     """
+    if isinstance(head_dim, bool) or not isinstance(head_dim, (int, np.integer)) or head_dim < 1:
+        raise ValueError(f"head_dim must be a positive int, got {head_dim!r}")
     wide = jnp.dtype(dtype).itemsize >= 4
     if head_dim_v is not None:
         head_dim = max(head_dim, head_dim_v)

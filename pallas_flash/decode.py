@@ -54,8 +54,9 @@ class DecodePlan:
       scale: logit multiplier.
       softcap: logits become softcap * tanh(scale * q.k / softcap); None for none.
       window_left: query t (at position p = kv_length - q_len + t) sees keys
-        max(0, p - window_left) <= j <= p; None = unbounded. The right side of a window is
-        clamped to 0 by causality, so only the left side is kept.
+        max(0, p - window_left) <= j <= p; None = unbounded, else at most max_len (a longer
+        side sees the same keys). The right side of a window is clamped to 0 by causality, so
+        only the left side is kept.
       dtype: the dtype of q and of the caches.
       interpret: Pallas interpret mode.
     """
@@ -207,14 +208,18 @@ def _validate(q, k_cache, v_cache, kv_lengths, block_table, *, scale, softcap, w
               return_lse, num_splits, backend, interpret) -> tuple[DecodePlan, jax.Array | None]:
     """Every check of decode_attention, before anything is traced: (plan, sinks)."""
     batch, q_len, q_heads, head_dim = _array("q", q, 4)
+    # q's sizes come before validation.validate: it is given q as k and v too, so its message
+    # for an empty dimension would report q's shape under their names.
+    if not 1 <= q_len <= MAX_Q_LEN:
+        raise ValueError(f"q must hold 1 to {MAX_Q_LEN} new tokens per sequence (q_len, its "
+                         f"second dimension), got q_len = {q_len}")
+    if min(q.shape) < 1:
+        raise ValueError(f"q dimensions must be >= 1, got {tuple(q.shape)}")
     # q against itself: validation.validate's checks of q and its normalisation of scale,
     # window and softcap, with flash_attention's messages.
     opts = validation.validate(q, q, q, causal=True, scale=scale, causal_alignment="bottom_right",
                                window=window, softcap=softcap, q_segment_ids=None,
                                kv_segment_ids=None, q_lengths=None, kv_lengths=None)
-    if not 1 <= q_len <= MAX_Q_LEN:
-        raise ValueError(f"q must hold 1 to {MAX_Q_LEN} new tokens per sequence (q_len, its "
-                         f"second dimension), got q_len = {q_len}")
     k_shape = _array("k_cache", k_cache, 4)
     if _array("v_cache", v_cache, 4) != k_shape:
         raise ValueError(f"v_cache must have k_cache's shape {k_shape}, got {v_cache.shape}")
@@ -251,13 +256,20 @@ def _validate(q, k_cache, v_cache, kv_lengths, block_table, *, scale, softcap, w
             raise ValueError(f"page_size (k_cache's second dimension) must be a power of two "
                              f">= 16, got {page_size}")
         pages_per_seq = table[1]
+        if pages_per_seq < 1:
+            raise ValueError(f"block_table must hold at least one page per sequence (its second "
+                             f"dimension, pages_per_seq), got shape {table}")
         max_len = pages_per_seq * page_size
+    # No query sits past max_len - 1, so a left side longer than max_len sees what max_len
+    # sees; the clamp keeps a huge side (2**31 and up) out of the kernels' int32 arithmetic.
+    window_left = None if opts.window is None else opts.window[0]
+    if window_left is not None:
+        window_left = min(window_left, max_len)
     if sinks is not None:
         sinks = check_sinks(sinks, q_heads)
     if block_table is not None:
         _check_pages(block_table, kv_lengths, num_pages=rows_or_pages, page_size=page_size,
-                     max_len=max_len, q_len=q_len,
-                     window_left=None if opts.window is None else opts.window[0])
+                     max_len=max_len, q_len=q_len, window_left=window_left)
     if not isinstance(return_lse, bool):
         raise ValueError(f"return_lse must be a bool, got {return_lse!r}")
     if num_splits is not None and not (_is_int(num_splits) and num_splits >= 1):
@@ -275,7 +287,7 @@ def _validate(q, k_cache, v_cache, kv_lengths, block_table, *, scale, softcap, w
         batch=batch, q_len=q_len, q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim,
         group=group, rows=group * q_len, max_len=max_len, pages_per_seq=pages_per_seq,
         page_size=page_size, num_splits=num_splits, chunk=chunk, scale=opts.scale,
-        softcap=opts.softcap, window_left=None if opts.window is None else opts.window[0],
+        softcap=opts.softcap, window_left=window_left,
         dtype=jnp.dtype(q.dtype), interpret=interpret)
     return plan, sinks
 

@@ -283,7 +283,7 @@ def segment_ids_from_cu_seqlens(
         per batch element), non-decreasing, usually starting at 0; checked when concrete.
       seq_q: the packed query length (total tokens, padding included), a static int.
       cu_seqlens_kv, seq_kv: the same for the keys when they are packed differently (cross
-        attention); default: those of the queries.
+        attention), with as many sequences as cu_seqlens; default: those of the queries.
 
     Returns:
       int32 q_ids [1 or batch, seq_q] and kv_ids [1 or batch, seq_kv], for the
@@ -295,11 +295,20 @@ def segment_ids_from_cu_seqlens(
         cu_seqlens_kv, seq_kv = cu_seqlens, seq_q
     elif seq_kv is None:
         raise ValueError("cu_seqlens_kv needs seq_kv, its packed length")
-    return (_ids_from_cu_seqlens("cu_seqlens", cu_seqlens, "seq_q", seq_q, PAD_QUERY_ID),
-            _ids_from_cu_seqlens("cu_seqlens_kv", cu_seqlens_kv, "seq_kv", seq_kv, PAD_KEY_ID))
+    cu_q = _check_cu_seqlens("cu_seqlens", cu_seqlens, "seq_q", seq_q)
+    cu_kv = _check_cu_seqlens("cu_seqlens_kv", cu_seqlens_kv, "seq_kv", seq_kv)
+    # Query sequence i attends to key sequence i: with other counts the ids would not line up.
+    if cu_q.shape[-1] != cu_kv.shape[-1]:
+        raise ValueError(f"cu_seqlens and cu_seqlens_kv must hold the same number of sequences, "
+                         f"got {cu_q.shape[-1] - 1} and {cu_kv.shape[-1] - 1} (shapes "
+                         f"{cu_q.shape} and {cu_kv.shape})")
+    return (_ids_from_cu_seqlens(cu_q, seq_q, PAD_QUERY_ID),
+            _ids_from_cu_seqlens(cu_kv, seq_kv, PAD_KEY_ID))
 
 
-def _ids_from_cu_seqlens(name, cu_seqlens, length_name, length, pad_id):
+def _check_cu_seqlens(name, cu_seqlens, length_name, length):
+    """cu_seqlens as an array, or a ValueError naming it (its values are checked when
+    concrete)."""
     if isinstance(length, bool) or not isinstance(length, int) or length < 1:
         raise ValueError(f"{length_name} must be a positive int, got {length!r}")
     cu = jnp.asarray(cu_seqlens)
@@ -312,6 +321,10 @@ def _ids_from_cu_seqlens(name, cu_seqlens, length_name, length, pad_id):
             raise ValueError(f"{name} must be non-negative and non-decreasing, got {values}")
         if values.max() > length:
             raise ValueError(f"{name} ends at {values.max()}, past {length_name} = {length}")
+    return cu
+
+
+def _ids_from_cu_seqlens(cu, length, pad_id):
     rows = jnp.atleast_2d(cu).astype(jnp.int32)
     pos = jnp.arange(length, dtype=jnp.int32)
     # Row p belongs to the last sequence that starts at or before it.

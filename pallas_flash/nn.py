@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from pallas_flash import dense_mask, xla_attention
+from pallas_flash import dense_mask, validation, xla_attention
 from pallas_flash.attention import flash_attention
 from pallas_flash.config import FlashConfig
 from pallas_flash.sinks import check_sinks
@@ -209,7 +209,8 @@ def dot_product_attention(
     * a dtype other than bfloat16, float16 or float32 (float64 too runs on the kernels when
       they run in interpret mode, i.e. without a GPU);
     * a head dim H (or value's H_v) above 256;
-    * a `scale` that is traced, zero or not finite (the kernels need a static non-zero float);
+    * a `scale` that is traced, not positive, or outside float32's normal range (the kernels
+      need a static positive float);
     * a `local_window_size` with a negative side (e.g. (w, -1): strictly earlier keys).
 
     A mask with no structure the kernels serve goes to an XLA computation of ours instead,
@@ -226,7 +227,8 @@ def dot_product_attention(
     back to jax.nn (list above) give jax.nn's results in every case.
 
     Differences in what is accepted: the lengths may be any integer dtype (jax.nn wants int32);
-    inputs of rank 1 or 2, which jax.nn silently pads with leading axes, are rejected.
+    inputs of rank 1 or 2, which jax.nn silently pads with leading axes, are rejected, and so
+    is a `scale` that is not a real number (a bool, a string, more than one value).
 
     Raises:
       ValueError: on shapes, dtypes or options that jax.nn would also reject, on an unknown
@@ -234,6 +236,8 @@ def dot_product_attention(
         only XLA could serve, and with implementation="pallas" on a call the kernels cannot
         serve.
     """
+    if not (scale is None or _is_scalar_number(scale)):
+        raise ValueError(f"scale must be None or a real number, got {scale!r}")
     if not (implementation is None or isinstance(implementation, str)) or (
             implementation not in IMPLEMENTATIONS):
         raise ValueError(
@@ -266,9 +270,12 @@ def dot_product_attention(
         )
 
     query, key, value = (jnp.asarray(x) for x in (query, key, value))
-    output_shape = (*query.shape[:-1], value.shape[-1])
     q4, k4, v4 = (_ensure_4d(name, x) for name, x in
                   (("query", query), ("key", key), ("value", value)))
+    output_shape = (*query.shape[:-1], value.shape[-1])
+    for name, x in (("query", query), ("key", key), ("value", value)):
+        if 0 in x.shape:
+            raise ValueError(f"{name} must have every dimension >= 1, got shape {x.shape}")
     batch, seq_q, q_heads, head_dim = q4.shape
     _, seq_kv, kv_heads, _ = k4.shape
     if v4.shape[:3] != k4.shape[:3]:
@@ -479,6 +486,20 @@ def _soft_cap(logits_soft_cap):
     return value
 
 
+def _is_scalar_number(x) -> bool:
+    """A traced scalar, or a real number (Python, numpy or a 0-d array) that is not a bool."""
+    if isinstance(x, jax.core.Tracer):
+        return x.shape == ()
+    if isinstance(x, (bool, np.bool_)):
+        return False
+    try:
+        a = np.asarray(x)
+    except (TypeError, ValueError):
+        return False
+    return a.shape == () and (np.issubdtype(a.dtype, np.floating)
+                              or np.issubdtype(a.dtype, np.integer))
+
+
 def _static_scale_ok(scale) -> bool:
     if scale is None:
         return True
@@ -488,7 +509,7 @@ def _static_scale_ok(scale) -> bool:
         value = float(scale)
     except (TypeError, ValueError):
         return False
-    return math.isfinite(value) and value != 0.0
+    return validation.scale_is_served(value)
 
 
 def _unsupported(dtype, head_dim, bias, scale, window) -> dict[str, str]:
@@ -504,8 +525,8 @@ def _unsupported(dtype, head_dim, bias, scale, window) -> dict[str, str]:
     if head_dim > MAX_HEAD_DIM:
         reasons["head_dim"] = f"head dim {head_dim} > {MAX_HEAD_DIM}"
     if not _static_scale_ok(scale):
-        reasons["scale"] = (f"scale {scale!r} (the kernels need a static, finite, non-zero "
-                            f"float)")
+        reasons["scale"] = (f"scale {scale!r} (the kernels need a static, positive float, "
+                            f"normal in float32)")
     if window is not None and min(window) < 0:
         reasons["window"] = f"local_window_size {window} with a negative side"
     return reasons

@@ -154,7 +154,8 @@ def reference_attention(
     denom = jnp.sum(p, axis=-1, keepdims=True)
     if sinks is not None:
         denom = denom + jnp.exp(sink - row_max)
-    seen = denom > 0
+    # A row that sees no key has denom 0; a NaN denom (a NaN sink) stays NaN, as in the kernels.
+    seen = (denom > 0) | jnp.isnan(denom)
     safe_denom = jnp.where(seen, denom, 1.0)
     out = jnp.einsum("bhqk,bkhd->bqhd", p / safe_denom, vf, precision=lax.Precision.HIGHEST)
     lse = jnp.where(seen, row_max + jnp.log(safe_denom), -jnp.inf)[..., 0]

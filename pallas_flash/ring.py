@@ -50,6 +50,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.sharding import Mesh, PartitionSpec
 
@@ -74,14 +75,28 @@ __all__ = ["ring_attention", "ring_attention_local", "strategy_bytes", "zigzag_p
 
 
 def _split_axis(x, axis: int, num_devices: int):
-    """x with `axis` split into (2, num_devices, chunk): a first and a second half of P chunks."""
-    axis = axis % x.ndim
+    """x with `axis` split into (2, num_devices, chunk): a first and a second half of P chunks.
+
+    Every argument is checked first (ValueError naming it): `axis % x.ndim` would turn an
+    out-of-range axis into another axis, and num_devices divides the axis length."""
+    if not hasattr(x, "shape") or not hasattr(x, "ndim"):
+        raise ValueError(f"x must be an array, got {type(x).__name__}")
+    if not (_is_int(axis) and -x.ndim <= axis < x.ndim):
+        raise ValueError(f"axis must be an int with {-x.ndim} <= axis < {x.ndim} for x of shape "
+                         f"{tuple(x.shape)}, got {axis!r}")
+    if not (_is_int(num_devices) and num_devices >= 1):
+        raise ValueError(f"num_devices must be a positive int, got {num_devices!r}")
+    axis = int(axis) % x.ndim
     n = x.shape[axis]
     if n % (2 * num_devices):
         raise ValueError(f"the length of axis {axis} ({n}) must be divisible by 2 * num_devices "
                          f"({2 * num_devices}) for the zig-zag layout")
     chunk = n // (2 * num_devices)
     return axis, x.reshape(*x.shape[:axis], 2, num_devices, chunk, *x.shape[axis + 1:])
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
 
 
 def zigzag_permute(x, num_devices: int, axis: int = 1):
@@ -244,11 +259,13 @@ def ring_attention(q, k, v, *, mesh: Mesh, axis_name: str, causal: bool = False,
                  ids=ids)
     check_divisible("the batch size", q.shape[0], mesh, batch_axis, "batch_axis")
     check_heads(q, k, mesh, head_axis)
+    if sinks is not None:  # checked before the kernels, applied after them
+        sinks = check_sinks(sinks, q.shape[2])
     ids = _given_ids(**ids)
     fn = _sharded_fn(mesh, plan, freeze_axes(batch_axis), freeze_axes(head_axis), tuple(ids))
     out, lse = fn(q, k, v, *ids.values())
     if sinks is not None:
-        out, lse = apply_sinks(out, lse, check_sinks(sinks, q.shape[2]))
+        out, lse = apply_sinks(out, lse, sinks)
     return (out, lse) if return_lse else out
 
 
@@ -279,10 +296,12 @@ def ring_attention_local(q, k, v, *, axis_name: str, causal: bool = False,
                  scale=scale, softcap=softcap, window=window, causal_alignment=causal_alignment,
                  layout=layout, strategy=strategy, backend=backend, precision=precision,
                  config=config, interpret=interpret, ids=ids)
+    if sinks is not None:  # this device's heads: [local q_heads]; applied after the kernels
+        sinks = check_sinks(sinks, q.shape[2])
     ids = _given_ids(**ids)
     out, lse = _per_device(plan, tuple(ids), q, k, v, *ids.values())
-    if sinks is not None:  # this device's heads: [local q_heads]
-        out, lse = apply_sinks(out, lse, check_sinks(sinks, q.shape[2]))
+    if sinks is not None:
+        out, lse = apply_sinks(out, lse, sinks)
     return (out, lse) if return_lse else out
 
 

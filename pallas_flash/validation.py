@@ -45,6 +45,15 @@ def _is_int(x) -> bool:
     return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
 
 
+_F32_TINY, _F32_MAX = float(np.finfo(np.float32).tiny), float(np.finfo(np.float32).max)
+MAX_WINDOW = 1 << 30
+
+
+def scale_is_served(scale: float) -> bool:
+    """Whether the kernels take this logit scale: positive, and a normal float32."""
+    return _F32_TINY <= scale <= _F32_MAX
+
+
 def validate(q, k, v, *, causal, scale, causal_alignment, window, softcap, q_segment_ids,
              kv_segment_ids, q_lengths, kv_lengths, v_head_dim_may_differ=False) -> Options:
     """v_head_dim_may_differ: the caller serves a V head_dim other than Q/K's (MLA); an entry
@@ -113,8 +122,11 @@ def validate(q, k, v, *, causal, scale, causal_alignment, window, softcap, q_seg
     elif isinstance(scale, bool) or not isinstance(scale, (int, float, np.floating, np.integer)):
         raise ValueError(f"scale must be a Python float (a static value), got {scale!r}")
     scale = float(scale)
-    if not math.isfinite(scale) or scale == 0.0:
-        raise ValueError(f"scale must be finite and non-zero, got {scale}")
+    if not scale_is_served(scale):
+        # The kernels keep each row's running maximum of the unscaled logits q.k, which is the
+        # maximum of the scaled ones only for a positive scale; they compute in float32.
+        raise ValueError(f"scale must be positive and a normal float32 ({_F32_TINY:.3g} to "
+                         f"{_F32_MAX:.3g}), got {scale}")
 
     if window is not None:
         if not (isinstance(window, (tuple, list)) and len(window) == 2):
@@ -122,12 +134,15 @@ def validate(q, k, v, *, causal, scale, causal_alignment, window, softcap, q_seg
         for side, w in zip(("left", "right"), window):
             if w is not None and not (_is_int(w) and w >= 0):
                 raise ValueError(f"window {side} must be None or an int >= 0, got {w!r}")
-        window = tuple(None if w is None else int(w) for w in window)
+        # A side of MAX_WINDOW or more bounds nothing a sequence the kernels take can reach;
+        # clamped there, position +- window stays in the masks' int32 arithmetic.
+        window = tuple(None if w is None else min(int(w), MAX_WINDOW) for w in window)
         if window == (None, None):
             window = None
 
     if softcap is not None:
-        if isinstance(softcap, bool) or not isinstance(softcap, (int, float, np.floating)):
+        if isinstance(softcap, bool) or not isinstance(softcap,
+                                                       (int, float, np.floating, np.integer)):
             raise ValueError(f"softcap must be None or a positive float, got {softcap!r}")
         softcap = float(softcap)
         if not (math.isfinite(softcap) and softcap > 0):

@@ -333,7 +333,8 @@ def test_mask_and_structured_options_together(kernel_calls):
     assert kernel_calls[0]["causal"] is True and kernel_calls[0]["window"] == (3, 2)
 
 
-@pytest.mark.parametrize("case", ["negative-window", "zero-scale", "head-dim-288", "int8"])
+@pytest.mark.parametrize("case", ["negative-window", "zero-scale", "negative-scale",
+                                  "subnormal-scale", "head-dim-288", "int8"])
 def test_other_fallbacks_match_jax_nn(case, kernel_calls):
     q, k, v, _ = _inputs()
     kw = {}
@@ -341,6 +342,10 @@ def test_other_fallbacks_match_jax_nn(case, kernel_calls):
         kw = dict(local_window_size=(3, -1), is_causal=True)   # strictly earlier keys
     elif case == "zero-scale":
         kw = dict(scale=0.0)
+    elif case == "negative-scale":   # the kernels' running maximum assumes a positive scale
+        kw = dict(scale=-0.5)
+    elif case == "subnormal-scale":
+        kw = dict(scale=1e-40)
     elif case == "head-dim-288":
         q, k, v, _ = _inputs((1, 8, 8, 2, 1, 288))   # (a new shape: XLA only, cheap)
     else:
@@ -427,6 +432,25 @@ def test_error_rank():
     _raises(r"query must have rank 4 \[batch, seq, heads, head_dim\] or rank 3 .* got shape "
             r"\(2, 8\)", q[0, 0], k, v)
     _raises(r"value must have rank 4", q, k, v[..., None])
+
+
+def test_error_rank_checked_before_shapes_are_read():
+    q, k, _, _ = _inputs()
+    with pytest.raises(ValueError, match=r"value must have rank 4 .* got shape \(\)"):
+        pf.dot_product_attention(q, k, jnp.float32(1.0))
+
+
+def test_error_empty_dimension():
+    q, k, v, _ = _inputs()
+    with pytest.raises(ValueError, match=r"query must have every dimension >= 1"):
+        pf.dot_product_attention(q[:, :0], k, v)
+
+
+@pytest.mark.parametrize("scale", ["abc", True, [0.5], jnp.ones(2)])
+def test_error_scale_not_a_real_number(scale):
+    q, k, v, _ = _inputs()
+    with pytest.raises(ValueError, match=r"scale must be None or a real number"):
+        pf.dot_product_attention(q, k, v, scale=scale)
 
 
 def test_error_value_shape():
@@ -760,6 +784,6 @@ def test_fallback_warns_once_per_reason():
     assert len(messages) == 2, messages
     assert "falls back to XLA (a dense bias), which materialises the attention logits, T x S " \
            "per head, instead of running the flash kernels" in messages[0]
-    assert "falls back to XLA (scale 0.0 (the kernels need a static, finite, non-zero float))" \
-           in messages[1]
+    assert ("falls back to XLA (scale 0.0 (the kernels need a static, positive float, normal "
+            "in float32))") in messages[1]
     assert all("Shown once per process for each reason" in m for m in messages)

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 import pallas_flash as pf
-from pallas_flash import attention, decode, guarded
+from helpers import make_mesh
+from pallas_flash import attention, decode, guarded, ring, ring_steps
 from pallas_flash.config import shared_memory_bytes, shared_memory_limit
 from pallas_flash.mosaic import backward as mosaic_backward
 from pallas_flash.mosaic import decode as mosaic_decode
@@ -54,6 +55,8 @@ def no_kernel(monkeypatch):
     # never look the trapped attributes up: every test starts from empty caches.
     attention._custom_vjp_attention.cache_clear()
     decode._decode_fn.cache_clear()
+    ring._sharded_fn.cache_clear()
+    ring_steps._jitted.cache_clear()
     return real
 
 
@@ -134,9 +137,11 @@ def test_causal_alignment():
     raises(r"causal_alignment must be one of", *qkv(), causal=True, causal_alignment="bottom")
 
 
-@pytest.mark.parametrize("scale", [float("inf"), 0.0])
+@pytest.mark.parametrize("scale", [float("inf"), 0.0, -0.5, 1e-40, 1e39])
 def test_scale_value(scale):
-    raises(r"scale must be finite and non-zero", *qkv(), scale=scale)
+    # Negative: the kernels' running maximum of q.k is the scaled maximum only for a positive
+    # scale. 1e-40 and 1e39 are a subnormal and an infinite float32.
+    raises(r"scale must be positive and a normal float32", *qkv(), scale=scale)
 
 
 def test_scale_type():
@@ -208,6 +213,9 @@ def test_float64_needs_interpret():
     (dict(block_q=64.0, block_kv=64), r"KernelConfig.block_q must be an int"),
     (dict(block_q=64, block_kv=64, num_warps=3), r"KernelConfig.num_warps must be one of"),
     (dict(block_q=64, block_kv=64, num_stages=0), r"KernelConfig.num_stages must be an int >= 1"),
+    (dict(block_q=64, block_kv=64, num_stages=True), r"KernelConfig.num_stages must be an int"),
+    (dict(block_q=64, block_kv=64, num_warps=True), r"KernelConfig.num_warps must be one of"),
+    (dict(block_q=64, block_kv=64, num_warps=4.0), r"KernelConfig.num_warps must be one of"),
 ])
 def test_kernel_config(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -310,8 +318,144 @@ def test_valid_input_reaches_the_kernel(no_kernel, monkeypatch, path):
         jax.jit(fn).trace(*args)
 
 
+@pytest.mark.parametrize("head_dim", [0, -5, True, 2.5])
+def test_default_config_head_dim(head_dim):
+    with pytest.raises(ValueError, match="head_dim must be a positive int"):
+        pf.default_config(head_dim, jnp.bfloat16)
+
+
 def test_configs_are_hashable_and_frozen():
     cfg = pf.default_config(128, jnp.bfloat16)
     assert hash(cfg) == hash(pf.default_config(128, np.dtype("bfloat16")))
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.fwd.block_q = 32
+
+
+# ================================================================================================
+# decode_attention: sizes, pages and windows
+# ================================================================================================
+
+
+def decode_raises(match, q_shape=(1, 1, 2, 16), cache_shape=(1, 64, 2, 16), **kwargs):
+    q, cache = jnp.ones(q_shape), jnp.ones(cache_shape)
+    kwargs.setdefault("kv_lengths", jnp.array([8], jnp.int32))
+    with pytest.raises(ValueError, match=match):
+        pf.decode_attention(q, cache, cache, **kwargs)
+
+
+def test_decode_empty_q_names_q_and_its_shape():
+    # q is checked against itself by the shared validation, whose message for an empty
+    # dimension names k and v: decode's own checks of q come first and report q alone.
+    decode_raises(r"^q must hold 1 to 16 new tokens per sequence .* got q_len = 0$",
+                  q_shape=(1, 0, 2, 16))
+    decode_raises(r"^q dimensions must be >= 1, got \(1, 1, 0, 16\)$", q_shape=(1, 1, 0, 16))
+    decode_raises(r"^q dimensions must be >= 1, got \(0, 1, 2, 16\)$", q_shape=(0, 1, 2, 16))
+
+
+def test_decode_empty_cache():
+    decode_raises(r"k_cache dimensions must be >= 1, got \(1, 0, 2, 16\)",
+                  cache_shape=(1, 0, 2, 16))
+
+
+def test_decode_block_table_without_pages():
+    decode_raises(r"block_table must hold at least one page per sequence .* got shape \(1, 0\)",
+                  cache_shape=(4, 16, 2, 16), block_table=jnp.zeros((1, 0), jnp.int32))
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_decode_huge_window_is_the_whole_sequence(no_kernel, monkeypatch, paged):
+    # A left side past the cache's length sees every key, as a side of that length does; a
+    # side of 2**31 or more would not fit the kernels' int32 arithmetic unclamped.
+    for name in ("triton.decode.partial", "triton.decode.combine"):
+        monkeypatch.setattr(*KERNELS[name], no_kernel[name])
+    keys = jax.random.split(jax.random.PRNGKey(0), 3)
+    q = jax.random.normal(keys[0], (2, 2, 4, 16), jnp.float32)
+    k = jax.random.normal(keys[1], (2, 128, 2, 16), jnp.float32)
+    v = jax.random.normal(keys[2], (2, 128, 2, 16), jnp.float32)
+    call = dict(kv_lengths=jnp.array([100, 128], jnp.int32), return_lse=True, num_splits=2,
+                interpret=True)
+    if paged:  # two pages of 64 per sequence
+        k, v = k.reshape(4, 64, 2, 16), v.reshape(4, 64, 2, 16)
+        call["block_table"] = jnp.arange(4, dtype=jnp.int32).reshape(2, 2)
+    want = pf.decode_attention(q, k, v, window=(128, 0), **call)
+    for window in ((2 ** 31, 0), (2 ** 63, 2 ** 40), (10 ** 30, None)):
+        got = pf.decode_attention(q, k, v, window=window, **call)
+        for g, w in zip(got, want):
+            np.testing.assert_array_equal(g, w)
+
+
+# ================================================================================================
+# Ring attention: sinks and the zig-zag layout
+# ================================================================================================
+
+
+def _ring_inputs():
+    q = jnp.ones((1, 16, 4, 16), jnp.float32)
+    kv = jnp.ones((1, 16, 2, 16), jnp.float32)
+    return q, kv, kv
+
+
+@pytest.mark.parametrize("sinks,match", [
+    (jnp.zeros((2,), jnp.float32), r"sinks must have shape \[q_heads\] = \(4,\), got \(2,\)"),
+    (jnp.zeros((4,), jnp.int32), r"sinks must have a floating dtype, got int32"),
+    ([0.0] * 4, r"sinks must be an array of shape \[q_heads\], got list"),
+])
+def test_ring_sinks_checked_before_the_kernels(sinks, match):
+    mesh = make_mesh((2,), ("x",))
+    with pytest.raises(ValueError, match=match):
+        pf.ring_attention(*_ring_inputs(), mesh=mesh, axis_name="x", sinks=sinks,
+                          interpret=True)
+
+    def local(q, k, v):
+        return pf.ring_attention_local(q, k, v, axis_name="x", sinks=sinks, interpret=True)
+
+    spec = jax.sharding.PartitionSpec(None, "x")
+    mapped = jax.shard_map(local, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec,
+                           check_vma=False)
+    with pytest.raises(ValueError, match=match):
+        jax.jit(mapped).trace(*_ring_inputs())
+
+
+def test_ring_with_valid_sinks_reaches_the_kernel():
+    # The trap covers the ring's kernels, so the test above proves its checks come first.
+    mesh = make_mesh((2,), ("x",))
+    with pytest.raises(AssertionError, match=r"a kernel \(triton.forward\) was reached"):
+        pf.ring_attention(*_ring_inputs(), mesh=mesh, axis_name="x",
+                          sinks=jnp.zeros((4,), jnp.float32), interpret=True)
+
+
+@pytest.mark.parametrize("fn", [pf.zigzag_permute, pf.zigzag_unpermute])
+@pytest.mark.parametrize("args,kwargs,match", [
+    ((jnp.zeros((2, 8)), 2), dict(axis=5), r"axis must be an int with -2 <= axis < 2 for x of "
+                                           r"shape \(2, 8\), got 5"),
+    ((jnp.zeros((2, 8)), 2), dict(axis=-3), r"axis must be an int with -2 <= axis < 2"),
+    ((jnp.zeros((2, 8)), 2), dict(axis=1.0), r"axis must be an int .* got 1.0"),
+    ((jnp.zeros((2, 8)), 2), dict(axis=True), r"axis must be an int .* got True"),
+    ((jnp.zeros(()), 1), dict(axis=0), r"axis must be an int with 0 <= axis < 0"),
+    ((jnp.zeros((2, 8)), 0), {}, r"num_devices must be a positive int, got 0"),
+    ((jnp.zeros((2, 8)), -2), {}, r"num_devices must be a positive int, got -2"),
+    ((jnp.zeros((2, 8)), True), {}, r"num_devices must be a positive int, got True"),
+    ((jnp.zeros((2, 8)), 2.0), {}, r"num_devices must be a positive int, got 2.0"),
+    ((jnp.zeros((2, 12)), 4), {}, r"length of axis 1 \(12\) must be divisible by 2 \* "
+                                  r"num_devices \(8\)"),
+    (([[0.0] * 8] * 2, 2), {}, r"x must be an array, got list"),
+])
+def test_zigzag_arguments(fn, args, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        fn(*args, **kwargs)
+
+
+# ================================================================================================
+# segment_ids_from_cu_seqlens
+# ================================================================================================
+
+
+def test_cu_seqlens_counts_must_match():
+    match = (r"cu_seqlens and cu_seqlens_kv must hold the same number of sequences, got 2 and 1 "
+             r"\(shapes \(3,\) and \(2,\)\)")
+    with pytest.raises(ValueError, match=match):
+        pf.segment_ids_from_cu_seqlens(jnp.array([0, 2, 4]), 4, jnp.array([0, 4]), 4)
+    # Shapes are static: a traced pair is checked too.
+    with pytest.raises(ValueError, match=match):
+        jax.jit(lambda a, b: pf.segment_ids_from_cu_seqlens(a, 4, b, 4)).trace(
+            jnp.array([0, 2, 4]), jnp.array([0, 4]))

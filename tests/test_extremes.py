@@ -485,3 +485,13 @@ def test_rows_that_see_no_key(dtype, kind):
     assert (dk[unseen_k] == 0).all() and (dv[unseen_k] == 0).all(), (
         "dk / dv are not 0 on keys that no row sees")
     assert not (out[~empty_q] == 0).all(axis=-1).any(), "a row that sees keys has O = 0"
+
+
+def test_huge_window_sides_mean_the_whole_sequence():
+    """A window side past validation.MAX_WINDOW bounds nothing; clamped, it stays out of the
+    masks' int32 overflow and gives what a side of the sequence's length gives."""
+    q, k, v, _ = random_inputs(jax.random.PRNGKey(71), 1, 24, 24, 2, 2, 16, jnp.float32)
+    for huge, whole in (((2**32, 0), (24, 0)), ((0, 2**31), (0, 24))):
+        np.testing.assert_array_equal(
+            np.asarray(pf.flash_attention(q, k, v, window=huge, interpret=True)),
+            np.asarray(pf.flash_attention(q, k, v, window=whole, interpret=True)))

@@ -145,6 +145,18 @@ def _arithmetic_on(jaxpr, shape):
     return found
 
 
+def test_a_nan_sink_gives_nan_in_its_head_only():
+    """A NaN sink logit reaches every row of its head, in the kernels and in the reference
+    alike (the reference's denominator is NaN, not an empty row's 0); the other head is clean."""
+    q, k, v, _ = random_inputs(jax.random.PRNGKey(41), 1, 24, 24, 2, 1, 16, jnp.float32)
+    sinks = jnp.array([jnp.nan, 0.5], jnp.float32)
+    for fn in (pf.flash_attention, pf.reference_attention):
+        out, lse = fn(q, k, v, causal=True, sinks=sinks, return_lse=True)
+        out, lse = np.asarray(out), np.asarray(lse)
+        assert np.isnan(out[:, :, 0]).all() and np.isnan(lse[:, 0]).all(), fn.__name__
+        assert np.isfinite(out[:, :, 1]).all() and np.isfinite(lse[:, 1]).all(), fn.__name__
+
+
 def test_sinks_fold_into_the_forward_kernel():
     """No pass over O outside the kernels: the forward kernel's last step takes the sink."""
     q, k, v, _ = random_inputs(jax.random.key(13), 1, 16, 16, 2, 2, 16, jnp.float32)
