@@ -138,10 +138,7 @@ def _flatten_batch(name, x, batch_dims):
     if x is None:
         return None
     x = jnp.asarray(x)
-    if x.ndim < 3:
-        raise ValueError(
-            f"{name} must be broadcastable to [batch..., num_heads, q_length, kv_length] with "
-            f"at least 3 dims, got shape {x.shape}"
-        )
+    # Broadcasting aligns trailing axes: a [q, kv] mask is [1, q, kv] to the heads axis.
+    x = x.reshape((1,) * (3 - x.ndim) + x.shape)
     x = jnp.broadcast_to(x, (*batch_dims, *x.shape[-3:]))
     return x.reshape(math.prod(batch_dims), *x.shape[-3:])

@@ -162,13 +162,15 @@ def test_error_batch_dims():
         pallas_flash.flax.attention_fn(q, jnp.concatenate([k, k]), jnp.concatenate([v, v]))
 
 
-def test_error_mask_rank():
-    q, k, v, _ = _inputs((1, 4, 4, 2, 1, 8))
-    split = lambda x: x.reshape(1, 1, *x.shape[1:])  # noqa: E731
-    with pytest.raises(ValueError, match=r"mask must be broadcastable to \[batch\.\.\., "
-                                         r"num_heads, q_length, kv_length\] with at least 3 dims"):
-        pallas_flash.flax.attention_fn(split(q), split(k), split(v),
-                                       mask=jnp.ones((4, 4), bool))
+def test_a_two_dim_mask_broadcasts_over_two_batch_dims(kernel_calls):
+    """A [T, S] mask is broadcastable to [batch..., heads, T, S], as Flax takes it: a causal
+    one over two batch dims runs on the kernels and matches the causal reference."""
+    q, k, v, _ = _inputs((2, 6, 6, 2, 1, 8))
+    split = lambda x: x.reshape(2, 1, *x.shape[1:])  # noqa: E731
+    causal = jnp.tril(jnp.ones((6, 6), bool))
+    out = pallas_flash.flax.attention_fn(split(q), split(k), split(v), mask=causal)
+    assert_close("out", out.reshape(q.shape), pf.reference_attention(q, k, v, causal=True), TOL)
+    assert kernel_calls and kernel_calls[0]["causal"] is True
 
 
 # --------------------------------------------------------------------------------------------
