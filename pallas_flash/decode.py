@@ -364,7 +364,8 @@ def _decode_fn(plan: DecodePlan, backend: str, has_sinks: bool, tiles=None):
     @jax.custom_jvp
     def decode(q, k_cache, v_cache, kv_lengths, block_table, sinks):
         module = _backend_module(backend)
-        lengths = jnp.clip(kv_lengths.astype(jnp.int32), 0, plan.max_len)
+        # Clipped before the cast, so that a wider integer cannot wrap into range.
+        lengths = jnp.clip(kv_lengths, 0, plan.max_len).astype(jnp.int32)
         q_packed = pack_queries(q, plan.kv_heads)
         o_part, lse_part = module.partial(plan, q_packed, k_cache, v_cache, lengths, block_table,
                                           **extra)

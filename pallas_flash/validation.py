@@ -1,6 +1,7 @@
 """Input checks shared by `flash_attention` and `reference_attention`.
 
-Everything here runs in Python on shapes and dtypes, before any kernel is traced, and raises a
+Everything here runs in Python on shapes and dtypes (and on the values of segment ids and
+lengths wider than int32, where they are known), before any kernel is traced, and raises a
 ValueError that names the argument and says what was expected. Kernels never validate.
 """
 
@@ -9,6 +10,7 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -39,6 +41,15 @@ def _check_ids(name, x, batch, seq, *, lengths=False):
         raise ValueError(f"{name} must have shape {what} = {want}, got {shape}")
     if not jnp.issubdtype(x.dtype, jnp.integer):
         raise ValueError(f"{name} must have an integer dtype, got {x.dtype}")
+    # The kernels take int32 (ids 2**31 - 2 and up mark padding). A wider dtype's values are
+    # checked where they are known, so that none wraps into another document or length;
+    # int32 needs no check, and under jit the values are not known.
+    if jnp.iinfo(x.dtype).max > _INT32_MAX and not isinstance(x, jax.core.Tracer):
+        values = np.asarray(x)
+        top = _INT32_MAX if lengths else _RESERVED_ID - 1
+        if values.size and (values.min() < -_INT32_MAX - 1 or values.max() > top):
+            raise ValueError(f"{name} must hold values from {-_INT32_MAX - 1} to {top} (the "
+                             f"kernels take int32), got {values.min()} to {values.max()}")
 
 
 def _is_int(x) -> bool:
@@ -46,6 +57,9 @@ def _is_int(x) -> bool:
 
 
 _F32_TINY, _F32_MAX = float(np.finfo(np.float32).tiny), float(np.finfo(np.float32).max)
+_INT32_MAX = 2**31 - 1
+# The smallest segment id that masking.py reserves for padding (PAD_KEY_ID).
+_RESERVED_ID = 2**31 - 2
 MAX_WINDOW = 1 << 30
 
 

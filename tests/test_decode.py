@@ -471,3 +471,13 @@ def test_traced_page_outside_the_cache_gives_nan(lengths, options, bad, ignored)
     q = _normal(kq, (batch, q_len, q_heads, d), dtype)
     cache = make_cache(kc, batch, max_len, kv_heads, d, dtype, page)
     check_traced_bad_pages(q, cache, lengths, options, bad, ignored)
+
+
+def test_wide_lengths_are_clipped_not_wrapped(x64):
+    """kv_lengths past max_len are clipped to it, also in a dtype wider than int32, whose
+    values would wrap to small lengths if cast first."""
+    q = jax.random.normal(jax.random.PRNGKey(91), (1, 1, 2, 16), jnp.float32)
+    cache = jax.random.normal(jax.random.PRNGKey(92), (1, 32, 2, 16), jnp.float32)
+    run = lambda n: pf.decode_attention(q, cache, cache, kv_lengths=n, interpret=True)  # noqa: E731
+    np.testing.assert_array_equal(np.asarray(run(jnp.array([2**32 + 4], jnp.int64))),
+                                  np.asarray(run(jnp.array([32], jnp.int32))))

@@ -459,3 +459,18 @@ def test_cu_seqlens_counts_must_match():
     with pytest.raises(ValueError, match=match):
         jax.jit(lambda a, b: pf.segment_ids_from_cu_seqlens(a, 4, b, 4)).trace(
             jnp.array([0, 2, 4]), jnp.array([0, 4]))
+
+
+def test_wide_ids_and_lengths_must_fit_int32(x64):
+    """int64 ids and lengths are checked where their values are known: one that would wrap in
+    int32, or a segment id the padding reserves, is refused instead of merging documents."""
+    from pallas_flash import masking, validation
+    assert validation._RESERVED_ID == min(masking.PAD_KEY_ID, masking.PAD_QUERY_ID)
+    q, k, v = qkv(shape_q=(1, 8, 2, 16), shape_kv=(1, 8, 2, 16))
+    ids = jnp.zeros((1, 8), jnp.int64)
+    for bad in (2**32, 2**31 - 2):
+        with pytest.raises(ValueError, match=r"q_segment_ids must hold values from .* \(the "
+                                             r"kernels take int32\)"):
+            pf.flash_attention(q, k, v, q_segment_ids=ids.at[0, 3].set(bad), kv_segment_ids=ids)
+    with pytest.raises(ValueError, match=r"kv_lengths must hold values from"):
+        pf.flash_attention(q, k, v, kv_lengths=jnp.array([2**32 + 3], jnp.int64))
