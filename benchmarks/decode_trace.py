@@ -11,8 +11,9 @@ kernel's count and mean duration. Usage, from the repository root:
     PYTHONPATH=. python benchmarks/decode_trace.py --cases mosaic:1:16k:1,triton:1:4k:1 --out $OUT
 
 A case is BACKEND:BATCH:CONTEXT:Q_LEN, BACKEND one of auto, mosaic, triton or xla
-(`jax.nn.dot_product_attention` with a length mask). Every call reads the same cache, which at
-small contexts the L2 cache may hold: the decode bench, not this script, measures bandwidth.
+(`jax.nn.dot_product_attention` with a length mask). The calls cycle over `--copies` copies of
+the cache (default: as many as the decode bench takes for the case, together larger than the
+L2 cache), so that each call reads its K/V from HBM.
 It writes decode_trace_<time>.json to --out. On a CPU there are no stream tracks; the cases
 still run (interpret mode) and report no kernels.
 """
@@ -23,6 +24,7 @@ import argparse
 import collections
 import datetime
 import json
+import math
 import os
 import shutil
 import sys
@@ -35,7 +37,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 import pallas_flash as pf  # noqa: E402
-from pallas_flash.bench.decode import repeated  # noqa: E402
+from pallas_flash.bench.decode import calls_and_copies, repeated  # noqa: E402
 
 BACKENDS = ("auto", "mosaic", "triton", "xla")
 
@@ -95,19 +97,22 @@ def capture(case: str, args) -> dict:
                             (batch, q_len, args.q_heads, args.head_dim), jnp.bfloat16)
           for i in range(args.calls)]
     shape = (batch, context, args.kv_heads, args.head_dim)
-    cache = (jax.random.normal(keys[1], shape, jnp.bfloat16),
-             jax.random.normal(keys[2], shape, jnp.bfloat16))
+    # K and V in bf16; never more copies than calls.
+    copies = args.copies or min(args.calls, calls_and_copies(2 * math.prod(shape) * 2)[1])
+    caches = [(jax.random.normal(jax.random.fold_in(keys[1], c), shape, jnp.bfloat16),
+               jax.random.normal(jax.random.fold_in(keys[2], c), shape, jnp.bfloat16))
+              for c in range(copies)]
     lengths = jnp.full((batch,), context, jnp.int32)
     run = jax.jit(repeated(_attend(backend), args.calls))
     for _ in range(3):
-        jax.block_until_ready(run(qs, [cache], lengths))
+        jax.block_until_ready(run(qs, caches, lengths))
     log_dir = os.path.join(args.out, f"decode_trace_{case.replace(':', '_')}")
     with jax.profiler.trace(log_dir, create_perfetto_trace=True):
-        jax.block_until_ready(run(qs, [cache], lengths))
+        jax.block_until_ready(run(qs, caches, lengths))
     result = breakdown(load_events(find_trace(log_dir)), args.calls)
     shutil.rmtree(log_dir, ignore_errors=True)
     return {"case": case, "backend": backend, "batch": batch, "context": context,
-            "q_len": q_len, **result}
+            "q_len": q_len, "cache_copies": copies, **result}
 
 
 def format_case(row: dict) -> str:
@@ -127,6 +132,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--q-heads", type=int, default=32)
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--copies", type=int, default=None,
+                   help="cache copies the calls cycle over (default: the decode bench's)")
     return add_run_arguments(p)
 
 

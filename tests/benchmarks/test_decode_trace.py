@@ -60,6 +60,7 @@ def test_run_reports_stream_kernels_only_on_a_gpu(decode_trace, tmp_path):
                                 "--kv-heads", "2", "--head-dim", "32", "--out", str(tmp_path)])
     (row,) = report["cases"]
     assert row["context"] == 256
+    assert row["cache_copies"] == 2   # the bench's copies for this cache, at most one a call
     if jax.default_backend() == "gpu":
         assert row["per_call_us"] > 0 and row["kernels"]
     else:  # interpret mode: the trace has no stream tracks
