@@ -25,7 +25,7 @@ Usage (from the repository root):
 
     python examples/generate.py                  # trains the tiny preset briefly, then samples
     python examples/train_lm.py --save lm.npz && python examples/generate.py --checkpoint lm.npz
-    python examples/generate.py --prompt "ROMEO:" --prompt "KING HENRY:" --tokens 200 \\
+    python examples/generate.py --prompt "Romeo." --prompt "Ham." --tokens 200 \\
         --temperature 0.8 --top-k 40
     python examples/generate.py --paged --page-size 16 --check
 """
@@ -48,7 +48,8 @@ import train_lm  # noqa: E402  (the model, its params and its checkpoints)
 
 pallas_flash = train_lm.pallas_flash
 
-DEFAULT_PROMPTS = ("ROMEO:\n", "First Citizen:\nWe are", "KING RICHARD II:\nNo, ")
+# Speakers as the training text names them: a name and a full stop on a line of their own.
+DEFAULT_PROMPTS = ("Romeo.\n", "1 Citizen.\nWe are", "Ham.\nNo, ")
 # Relative Frobenius error allowed between the cached and the full-forward logits: float32 in
 # interpret mode differs only in summation order, a GPU multiplies float32 in TF32 (as XLA does
 # by default), and bfloat16 rounds K/V and activations at different points.
@@ -342,6 +343,11 @@ def parse_args(argv):
     if args.tokens < 1 or args.train_steps < 1 or args.temperature < 0 or args.top_k < 0:
         parser.error("--tokens and --train-steps must be positive, --temperature and --top-k "
                      "not negative")
+    if args.top_k > 256:
+        parser.error(f"--top-k must be at most 256 (the byte vocabulary), got {args.top_k}")
+    if args.paged and (args.page_size < 16 or args.page_size & (args.page_size - 1)):
+        # decode_attention's pages: a power of two of at least 16 keys.
+        parser.error(f"--page-size must be a power of two >= 16, got {args.page_size}")
     return args
 
 

@@ -77,6 +77,19 @@ def test_tiny_text_run_learns_and_matches_reference(train_lm, tmp_path):
     assert params["embed"].dtype == np.float32
 
 
+def test_reference_check_catches_attention_the_loss_hides(train_lm, monkeypatch):
+    """At initialisation the loss barely depends on attention; the gradients of wq and wk
+    depend on nothing else: a non-causal attention (every token seeing the future) fails the
+    check there, while its first losses agree with the reference to about 1e-4."""
+    args = train_lm.parse_args(["--preset", "tiny"])
+    cfg = train_lm.build_config(args)
+    data = train_lm.build_data(args, cfg)
+    assert max(train_lm.attention_grad_errors(cfg, data).values()) < 1e-3
+    monkeypatch.setattr(train_lm, "flash_attention", lambda q, k, v: train_lm.pallas_flash.
+                        flash_attention(q, k, v, causal=False, interpret=True))
+    assert min(train_lm.attention_grad_errors(cfg, data).values()) > 1e-2
+
+
 def test_synthetic_data_runs_as_a_script():
     # Covers the __main__ path, the import fallback for an uninstalled checkout, --data
     # synthetic and --scan; a short run without the check keeps the extra compile small.
