@@ -167,10 +167,6 @@ def fills_one_wave(plan: DecodePlan, num_sms: int) -> bool:
     return plan.batch * plan.kv_heads * plan.num_splits <= num_sms
 
 
-def _is_int(x) -> bool:
-    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
-
-
 def _array(name, x, rank):
     if not hasattr(x, "shape") or not hasattr(x, "dtype"):
         raise ValueError(f"{name} must be an array, got {type(x).__name__}")
@@ -272,7 +268,7 @@ def _validate(q, k_cache, v_cache, kv_lengths, block_table, *, scale, softcap, w
                      max_len=max_len, q_len=q_len, window_left=window_left)
     if not isinstance(return_lse, bool):
         raise ValueError(f"return_lse must be a bool, got {return_lse!r}")
-    if num_splits is not None and not (_is_int(num_splits) and num_splits >= 1):
+    if num_splits is not None and not (validation.is_int(num_splits) and num_splits >= 1):
         raise ValueError(f"num_splits must be None or an int >= 1, got {num_splits!r}")
     if backend not in _BACKENDS:
         raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")

@@ -453,17 +453,13 @@ def _mask(mask, full_shape):
     return mask.reshape((1,) * (4 - mask.ndim) + mask.shape)
 
 
-def _is_int(x) -> bool:
-    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
-
-
 def _window(local_window_size):
     if local_window_size is None:
         return None
-    if _is_int(local_window_size):
+    if validation.is_int(local_window_size):
         return (int(local_window_size), int(local_window_size))
     if (isinstance(local_window_size, Sequence) and not isinstance(local_window_size, str)
-            and len(local_window_size) == 2 and all(map(_is_int, local_window_size))):
+            and len(local_window_size) == 2 and all(map(validation.is_int, local_window_size))):
         return tuple(int(w) for w in local_window_size)
     raise ValueError(
         f"local_window_size must be None, an int or a (left, right) pair of ints, got "

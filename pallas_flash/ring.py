@@ -50,7 +50,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.sharding import Mesh, PartitionSpec
 
@@ -81,10 +80,10 @@ def _split_axis(x, axis: int, num_devices: int):
     out-of-range axis into another axis, and num_devices divides the axis length."""
     if not hasattr(x, "shape") or not hasattr(x, "ndim"):
         raise ValueError(f"x must be an array, got {type(x).__name__}")
-    if not (_is_int(axis) and -x.ndim <= axis < x.ndim):
+    if not (validation.is_int(axis) and -x.ndim <= axis < x.ndim):
         raise ValueError(f"axis must be an int with {-x.ndim} <= axis < {x.ndim} for x of shape "
                          f"{tuple(x.shape)}, got {axis!r}")
-    if not (_is_int(num_devices) and num_devices >= 1):
+    if not (validation.is_int(num_devices) and num_devices >= 1):
         raise ValueError(f"num_devices must be a positive int, got {num_devices!r}")
     axis = int(axis) % x.ndim
     n = x.shape[axis]
@@ -93,10 +92,6 @@ def _split_axis(x, axis: int, num_devices: int):
                          f"({2 * num_devices}) for the zig-zag layout")
     chunk = n // (2 * num_devices)
     return axis, x.reshape(*x.shape[:axis], 2, num_devices, chunk, *x.shape[axis + 1:])
-
-
-def _is_int(x) -> bool:
-    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
 
 
 def zigzag_permute(x, num_devices: int, axis: int = 1):

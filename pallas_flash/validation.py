@@ -14,6 +14,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_flash.masking import PAD_KEY_ID, PAD_QUERY_ID
+
 MAX_HEAD_DIM = 256
 _FLOAT_DTYPES = tuple(jnp.dtype(d) for d in (jnp.bfloat16, jnp.float16, jnp.float32, jnp.float64))
 _ALIGNMENTS = ("top_left", "bottom_right")
@@ -52,14 +54,15 @@ def _check_ids(name, x, batch, seq, *, lengths=False):
                              f"kernels take int32), got {values.min()} to {values.max()}")
 
 
-def _is_int(x) -> bool:
+def is_int(x) -> bool:
+    """A Python or numpy integer, not a bool (shared by every module that checks int options)."""
     return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
 
 
 _F32_TINY, _F32_MAX = float(np.finfo(np.float32).tiny), float(np.finfo(np.float32).max)
 _INT32_MAX = 2**31 - 1
-# The smallest segment id that masking.py reserves for padding (PAD_KEY_ID).
-_RESERVED_ID = 2**31 - 2
+# The smallest segment id that masking.py reserves for padding.
+_RESERVED_ID = min(PAD_KEY_ID, PAD_QUERY_ID)
 MAX_WINDOW = 1 << 30
 
 
@@ -146,7 +149,7 @@ def validate(q, k, v, *, causal, scale, causal_alignment, window, softcap, q_seg
         if not (isinstance(window, (tuple, list)) and len(window) == 2):
             raise ValueError(f"window must be a (left, right) pair, got {window!r}")
         for side, w in zip(("left", "right"), window):
-            if w is not None and not (_is_int(w) and w >= 0):
+            if w is not None and not (is_int(w) and w >= 0):
                 raise ValueError(f"window {side} must be None or an int >= 0, got {w!r}")
         # A side of MAX_WINDOW or more bounds nothing a sequence the kernels take can reach;
         # clamped there, position +- window stays in the masks' int32 arithmetic.
