@@ -70,12 +70,16 @@ def sink_epilogue(m, l, sink, c):
     Returns (w, r): O = acc * w, and r = log2 of the denominator with the sink's term, so that
     (m, r) stay the statistics of the whole softmax, sink included. The sink's exponent
     relative to m, t, may be far above the row's logits; both sums are taken relative to
-    max(t, 0), so nothing overflows, and a sink of -inf leaves the row as it was.
+    max(t, 0), so nothing overflows; a sink of -inf leaves the row as it was, and a NaN sink makes
+    it NaN.
     """
     t = jnp.where(m == -jnp.inf, sink * LOG2E, sink * LOG2E - m * c)
     shift = jnp.maximum(t, 0.0)
     down = jnp.exp2(-shift)
     denom = l * down + jnp.exp2(jnp.minimum(t, 0.0))   # t - shift
+    # Triton lowers maximum / minimum to maxnum / minnum, which return the other operand for a
+    # NaN: a NaN sink would silently drop out of the row. It reaches the row, as in the reference.
+    denom = jnp.where(jnp.isnan(t), t, denom)
     return down / denom, jnp.log2(denom) + shift
 
 
