@@ -147,7 +147,13 @@ def _plan(q, k, v, *, axis_name: str, axis_size: int | None, where: str, causal,
         raise ValueError(f"ring attention is self-attention: q and k need one sequence length, "
                          f"got q {tuple(q.shape)} and k {tuple(k.shape)}")
     parts = axis_size if where == "global" else 1
-    axis_size = lax.axis_size(axis_name) if axis_size is None else axis_size
+    if axis_size is None:
+        try:
+            axis_size = lax.axis_size(axis_name)
+        except NameError:
+            raise ValueError(f"axis_name {axis_name!r} is not a mesh axis of this shard_map: "
+                             f"ring_attention_local runs inside jax.shard_map over that axis "
+                             f"(ring_attention builds the shard_map itself)") from None
     chunks = parts * (2 if layout == "zigzag" else 1)
     if q.shape[1] % chunks:
         raise ValueError(f"the {where} sequence length ({q.shape[1]}) must be divisible by "

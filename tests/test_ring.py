@@ -71,6 +71,10 @@ def test_ring_errors():
         pf.ring_attention(*cut, mesh=mesh, axis_name="x", layout="zigzag")
     with pytest.raises(ValueError, match="self-attention"):
         pf.ring_attention(q, short, short, mesh=mesh, axis_name="x")
+    # The local entry outside a shard_map over its axis: a ValueError naming axis_name, not
+    # JAX's NameError from deep inside.
+    with pytest.raises(ValueError, match="axis_name 'x' is not a mesh axis of this shard_map"):
+        pf.ring_attention_local(q, k, v, axis_name="x")
 
 
 def test_ring_segment_id_errors(monkeypatch):
