@@ -30,6 +30,7 @@ TWO_KERNELS = MosaicBackwardConfig(dkdv_block_q=64, dq_block_kv=64)
     (None, "fused", 64, 64, jnp.bfloat16), ("q", "fused", 64, 64, jnp.bfloat16),
     ("k_hidden", "fused", 64, 64, jnp.bfloat16), ("v", "fused", 64, 64, jnp.bfloat16),
     ("do", "fused", 64, 64, jnp.bfloat16), ("k_hidden", "fused", 64, 64, jnp.float16),
+    (None, "fused", 96, 96, jnp.bfloat16), ("k_hidden", "fused", 96, 96, jnp.bfloat16),
     (None, "two", 64, 64, jnp.bfloat16), ("q", "two", 64, 64, jnp.bfloat16),
     ("k_hidden", "two", 64, 64, jnp.bfloat16), ("v", "two", 64, 64, jnp.bfloat16),
     ("do", "two", 64, 64, jnp.float16),

@@ -31,6 +31,9 @@ needs_hopper = pytest.mark.skipif(ON_GPU and not IS_HOPPER, reason="Mosaic GPU k
     (128, jnp.bfloat16, {}, True),
     (64, jnp.bfloat16, {}, True),
     (128, jnp.float16, {}, True),
+    (96, jnp.bfloat16, {}, True),
+    (48, jnp.float16, {}, True),
+    (144, jnp.bfloat16, {}, False),
     (256, jnp.bfloat16, {}, False),
     (128, jnp.bfloat16, dict(has_segments=True), False),
 ])

@@ -421,7 +421,15 @@ def default_backward_config(head_dim: int) -> MosaicBackwardConfig:
         # The two-kernel tiles (segment ids, MLA): 128 queries per dK/dV step.
         return MosaicBackwardConfig(dkdv_block_q=128, dq_block_kv=64, fused=True,
                                     fused_stages=4, fused_dq_slots=2)
-    if head_dim <= 128:
+    if head_dim < 128:
+        # Fused: two dQ slots, as at 64, and the most stream stages that fit beside them (4 at
+        # 80, 3 at 96, 2 at 112, float16's fourth statistic counted). Two-kernel: 128's.
+        stages = max(s for s in (2, 3, 4) if MosaicBackwardConfig(
+            fused=True, fused_stages=s, fused_dq_slots=2).fused_smem_bytes(
+                head_dim, stat_rows=4) <= SMEM_LIMIT)
+        return MosaicBackwardConfig(dkdv_block_q=64, dq_block_kv=64, dkdv_stages=3, dq_stages=3,
+                                    fused=True, fused_stages=stages, fused_dq_slots=2)
+    if head_dim == 128:
         # Fused: two stages and one dQ slot are all that fit. Two-kernel: 64 x 64, 3 stages.
         return MosaicBackwardConfig(dkdv_block_q=64, dq_block_kv=64, dkdv_stages=3, dq_stages=3,
                                     fused=True)

@@ -34,8 +34,9 @@ the float32 sum: per key for dK (`dk_cast_scales`, read once per warpgroup, so a
 multiply and no running maximum or rescale of dK), per query for dQ's product, which sums over
 the 128 keys of both warpgroups (`dq_cast_scales`, streamed as a fourth statistic).
 
-Serves bfloat16 and float16, head_dim 64 / 128, no segment ids (`unsupported_reason`): segment
-ids make the contributing tiles data-dependent, and head_dim 256 does not fit shared memory.
+Serves bfloat16 and float16, head_dim 32 to 128 in steps of 16, no segment ids
+(`unsupported_reason`): segment ids make the contributing tiles data-dependent, and above 128
+the operands do not fit shared memory.
 Interpret mode has no semaphores and no reduce-add; it runs CTAs in index order, so its writer
 reads the previous sum, adds and stores.
 """
@@ -70,7 +71,7 @@ __all__ = ["FUSED_KERNEL_NAME", "dk_cast_scales", "dq_cast_scales", "fused_backw
            "stat_rows", "unsupported_reason"]
 
 FUSED_KERNEL_NAME = "pallas_flash_mosaic_bwd_fused"
-HEAD_DIMS = (64, 128)
+HEAD_DIMS = tuple(range(32, 129, 16))   # above 128 the operands do not fit shared memory
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
@@ -121,9 +122,9 @@ def dk_cast_scales(v, do, delta, group: int, keys: int):
 
 def alternates(head_dim: int) -> bool:
     """How the two compute warpgroups share dQ_partial = dS K: by columns at head_dim 128
-    (each head_dim / 2, every step), by turns at head_dim 64 (the warpgroup of the step's
-    parity does all of it). Mosaic's layout inference refuses 32-column halves of K; a 64 x 128
-    float32 accumulator beside dK and dV exceeds the registers."""
+    (each head_dim / 2, every step), by turns below (the warpgroup of the step's parity does
+    all of it). Mosaic's layout inference refuses 32- and 56-column halves of K (no 8 x 16
+    tiling), and a 64 x 128 float32 accumulator beside dK and dV exceeds the registers."""
     return head_dim < 128
 
 
