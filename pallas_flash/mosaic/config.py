@@ -269,7 +269,7 @@ class MosaicBackwardConfig:
     compute_registers: int = 232
     copy_registers: int = 40
     # One kernel, dQ summed across key tiles in a fixed order: 5 matmul units a step instead of
-    # the two kernels' 7. Where it serves (bf16 and fp16, head_dim 64 / 128, no segment ids).
+    # the two kernels' 7. Where it serves (bf16 and fp16, head_dim 32 to 128, no segment ids).
     fused: bool = False
     # Slots of the fused kernel's Q / dO / statistics stream.
     fused_stages: int = 2
