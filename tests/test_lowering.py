@@ -20,6 +20,7 @@ from pallas_flash import attention
 from pallas_flash.mosaic import backward as mosaic_backward
 from pallas_flash.mosaic import forward as mosaic_forward
 from pallas_flash.mosaic import fused_backward
+from pallas_flash.mosaic.config import default_backward_config
 
 pytest.importorskip("jax.experimental.mosaic.gpu")
 pytestmark = pytest.mark.skipif(ON_GPU and not IS_HOPPER,
@@ -70,8 +71,10 @@ def test_auto_step_lowers_at_every_mosaic_head_dim(monkeypatch, head_dim):
     mosaic = {name for name in (mosaic_forward.KERNEL_NAME, fused_backward.FUSED_KERNEL_NAME,
                                 mosaic_backward.DKDV_KERNEL_NAME, mosaic_backward.DQ_KERNEL_NAME)
               if f"{name}_mosaic_gpu" in text}
-    # The fused kernel at its head dims (64, 128), the two kernels at every other.
-    backward = ({fused_backward.FUSED_KERNEL_NAME} if head_dim in fused_backward.HEAD_DIMS else
+    # The fused kernel where the default takes it (64 to 128), the two kernels at every other.
+    fused = default_backward_config(head_dim).fused and head_dim in fused_backward.HEAD_DIMS
+    assert fused == (64 <= head_dim <= 128)
+    backward = ({fused_backward.FUSED_KERNEL_NAME} if fused else
                 {mosaic_backward.DKDV_KERNEL_NAME, mosaic_backward.DQ_KERNEL_NAME})
     assert mosaic == {mosaic_forward.KERNEL_NAME} | backward
     for name in ("pallas_flash_fwd", "pallas_flash_bwd_dkdv", "pallas_flash_bwd_dq"):
