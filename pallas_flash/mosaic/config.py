@@ -418,8 +418,9 @@ def default_backward_config(head_dim: int) -> MosaicBackwardConfig:
     """The backward's tiles for `head_dim`. docs/tuning.md has the sweeps behind each."""
     if head_dim <= 64:
         # Fused at 64: four stream slots and two dQ slots keep the writer from waiting on
-        # compute. Below 64 the two kernels: the fused one is no faster there, and its dQ needs a
-        # float32 sum. The two-kernel tiles (also segment ids, MLA): 128 queries per dK/dV step.
+        # compute. Below 64 the two kernels: the fused one is no faster over both masks, and
+        # its dQ needs a float32 sum. Two-kernel tiles (also segment ids, MLA): 128 queries a
+        # dK/dV step.
         return MosaicBackwardConfig(dkdv_block_q=128, dq_block_kv=64, fused=head_dim == 64,
                                     fused_stages=4, fused_dq_slots=2)
     if head_dim < 128:
