@@ -34,6 +34,7 @@ from pallas_flash.triton import forward as triton_forward
 
 C = MosaicForwardConfig
 B = MosaicBackwardConfig
+# The fused backward below head_dim 64, where the default runs the two kernels: 64's settings.
 FUSED_BELOW_64 = B(dkdv_block_q=128, dq_block_kv=64, fused=True, fused_stages=4, fused_dq_slots=2)
 BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
 FORWARD = frozenset({"forward"})
@@ -322,7 +323,6 @@ CASES = [
     case("fused", "window-softcap-d64-f16", (1, 200, 250, 4, 2, 64), F16, BACKWARD,
          window=(70, 90), softcap=2.5, expect="fused"),
     # Below 128: dQ by turns, as at 64, on head dims whose rows take narrower swizzles.
-    # (Below 64 the default runs the two kernels: these ask for the fused one.)
     case("fused", "turns-causal-d32", (1, 200, 250, 2, 2, 32), BF16, BACKWARD, causal=True,
          expect="fused", bwd=FUSED_BELOW_64),
     case("fused", "turns-full-mqa-d48-f16", (1, 136, 200, 4, 1, 48), F16, BACKWARD,
