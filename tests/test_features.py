@@ -35,7 +35,7 @@ from pallas_flash.triton import forward as triton_forward
 C = MosaicForwardConfig
 B = MosaicBackwardConfig
 # The fused backward below head_dim 64, where the default runs the two kernels: 64's settings.
-FUSED_BELOW_64 = B(dkdv_block_q=128, dq_block_kv=64, fused=True, fused_stages=4, fused_dq_slots=2)
+FUSED_BELOW_64 = default_backward_config(64)
 BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
 FORWARD = frozenset({"forward"})
 BACKWARD = frozenset({"backward"})
