@@ -1,0 +1,87 @@
+"""benchmarks/sm90_compile.py: the case syntax and the reading of ptxas's resource report. The
+compile itself needs jax's CUDA plugin, which the CPU suite does not install."""
+
+from pathlib import Path
+
+import pytest
+
+from helpers import example_module
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "sm90_compile.py"
+
+# ptxas's report for two kernels, in the form MOSAIC_GPU_DUMP_PTXAS prints it (the second spills).
+REPORT = """\
+ptxas info    : 0 bytes gmem
+ptxas info    : Compiling entry function 'pallas_flash_mosaic_fwd_mosaic_gpu_kernel' for 'sm_90a'
+ptxas info    : Function properties for pallas_flash_mosaic_fwd_mosaic_gpu_kernel
+    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 168 registers, used 16 barriers, 1 bytes smem
+ptxas warning : Registers are spilled to local memory in function 'pallas_flash_mosaic_bwd_fused_mosaic_gpu_kernel', 116 bytes spill stores, 124 bytes spill loads
+ptxas info    : Compiling entry function 'pallas_flash_mosaic_bwd_fused_mosaic_gpu_kernel' for 'sm_90a'
+ptxas info    : Function properties for pallas_flash_mosaic_bwd_fused_mosaic_gpu_kernel
+    88 bytes stack frame, 116 bytes spill stores, 124 bytes spill loads
+ptxas info    : Used 128 registers, used 16 barriers, 88 bytes cumulative stack size, 1 bytes smem
+"""
+
+
+@pytest.fixture(scope="module")
+def sm90():
+    with example_module(SCRIPT, "sm90_compile") as module:
+        yield module
+
+
+def test_parse_case(sm90):
+    case = sm90.parse_case("2x8kx16x4x112:causal:step")
+    assert case["shape"] == [2, 8192, 16, 4, 112]
+    assert (case["pass"], case["causal"]) == ("step", True)
+    assert not sm90.parse_case("1x1000x2x2x64:full:fwd")["causal"]
+    decode = sm90.parse_case("decode:4x16kx32x8x128:4")
+    assert decode["shape"] == [4, 16384, 32, 8, 128]
+    assert (decode["pass"], decode["q_len"]) == ("decode", 4)
+
+
+@pytest.mark.parametrize("text,match", [
+    ("2x8kx16x16x128:causal", "SHAPE:MASK:PASS"),          # no pass
+    ("2x8kx16x128:causal:step", "BATCHxSEQ"),              # four dimensions
+    ("2x8kx16x16x128:window:step", "MASK is one of"),      # not a mask
+    ("2x8kx16x16x128:causal:bwd", "PASS one of"),          # not a pass of this script
+    ("decode:1x4kx32x8x128", "decode:SHAPE:Q_LEN"),        # no q_len
+])
+def test_parse_case_rejects(sm90, text, match):
+    with pytest.raises(ValueError, match=match):
+        sm90.parse_case(text)
+
+
+def test_parse_ptxas(sm90):
+    fwd, bwd = sm90.parse_ptxas(REPORT)
+    assert fwd == {"kernel": "pallas_flash_mosaic_fwd", "stack": 0, "spill_stores": 0,
+                   "spill_loads": 0, "registers": 168}
+    # The warning line before a kernel's entry is not that kernel's report: its own is.
+    assert bwd == {"kernel": "pallas_flash_mosaic_bwd_fused", "stack": 88, "spill_stores": 116,
+                   "spill_loads": 124, "registers": 128}
+    assert sm90.parse_ptxas("no report here") == []
+
+
+def test_format_row(sm90):
+    row = {"case": "2x8kx16x16x112:full:step", "backend": "mosaic", "dtype": "bfloat16",
+           "trace_s": 0.4, "lower_s": 5.2, "compile_s": 6.1,
+           "kernels": sm90.parse_ptxas(REPORT)}
+    text = sm90.format_row(row)
+    assert "lower 5.20 s, compile 6.10 s" in text
+    assert "pallas_flash_mosaic_bwd_fused" in text and "spills 116 B stored / 124 B loaded" in text
+    error = sm90.format_row({**row, "error": "RuntimeError: no cuda plugin"})
+    assert error.endswith("error: RuntimeError: no cuda plugin")
+
+
+def test_table(sm90):
+    fused = sm90.parse_ptxas(REPORT)
+    two = [dict(fused[0]), {"kernel": "pallas_flash_mosaic_bwd_dq", "registers": 232,
+                            "stack": 216, "spill_stores": 212, "spill_loads": 228}]
+    rows = [{"case": "2x8kx16x16x112:full:step", "kernels": fused},
+            {"case": "2x8kx8x8x256:full:step", "kernels": two},
+            {"case": "2x8kx8x8x512:full:step", "kernels": [], "error": "ValueError: head_dim"}]
+    lines = sm90.table(rows).splitlines()
+    assert lines[0] == "| case | fwd | bwd_fused | bwd_dq |"
+    assert lines[2] == "| 2x8kx16x16x112:full:step | 168 r, 0 / 0 | 128 r, 116 / 124 | – |"
+    assert lines[3] == "| 2x8kx8x8x256:full:step | 168 r, 0 / 0 | – | 232 r, 212 / 228 |"
+    assert lines[4].startswith("| 2x8kx8x8x512:full:step | error: ValueError: head_dim")
