@@ -14,9 +14,10 @@ A case is SHAPE:MASK:PASS, as `benchmarks/step_trace.py`'s without the implement
 is BATCHxSEQxQ_HEADSxKV_HEADSxHEAD_DIM (SEQ may read 8k), MASK causal or full, PASS fwd (the
 forward) or step (forward and backward under jax.vjp, as a training step stages them). A
 decode case is decode:BATCHxCONTEXTxQ_HEADSxKV_HEADSxHEAD_DIM:Q_LEN, a contiguous cache, every
-sequence full. --backend picks flash_attention's backend (auto: the Mosaic kernels behind the
-guard's Triton fallback, as on an H200). Each case runs in a process of its own, so its times
-are a fresh process's, with every cache off (JAX's persistent one and the lowering cache).
+sequence full. --backend picks the backend of flash_attention (auto: the Mosaic kernels behind
+the guard's Triton fallback, as on an H200) and of decode_attention. Each case runs in a
+process of its own, so its times are a fresh process's, with every cache off (JAX's persistent
+one and the lowering cache).
 
 How: JAX's compile-only topology for the cuda platform, described by `TARGET_CONFIG` (an
 H200's figures), compiles the program as XLA does on the GPU, Mosaic GPU's ptxas included;
@@ -147,7 +148,8 @@ def child(case: dict, backend: str, dtype_name: str) -> dict:
     b, s, hq, hkv, d = case["shape"]
     if case["pass"] == "decode":
         def fn(q, k, v, lengths):
-            return pf.decode_attention(q, k, v, kv_lengths=lengths, interpret=False)
+            return pf.decode_attention(q, k, v, kv_lengths=lengths, backend=backend,
+                                       interpret=False)
         args = (arg((b, case["q_len"], hq, d)), arg((b, s, hkv, d)), arg((b, s, hkv, d)),
                 arg((b,), jnp.int32))
     else:
