@@ -77,14 +77,16 @@ def test_checked_backward_marks_every_nonfinite_operand(poison, path, d, d_v, dt
 
 
 @needs_hopper
-@pytest.mark.parametrize("poison", ["k", "do", None])
+@pytest.mark.parametrize("poison", ["k", "q", "do", None])
 def test_two_kernel_marks_a_value_only_one_kernel_meets(poison):
     """A NaN that reaches one kernel's gradients only, each kernel's marks tested alone (with
     either left out of the flag, one case fails). "k": key 110's segment holds no query, so
     every query masks it (P = dS = 0: dK, dV finite), but the dQ kernel's dS K still meets its
-    NaN (0 * NaN). "do": query 20's segment holds no key (P = 0, and dS = 0: dQ finite), but
-    the dK/dV kernel's P^T dO meets it. None: the same segments with clean operands leave
-    every mark clear, the empty query and key included."""
+    NaN (0 * NaN). "q": query 20's segment holds no key (P = dS = 0: dQ finite), but the dK/dV
+    kernel's dS^T Q meets it. "do": the same query's dO meets both kernels and reaches every
+    gradient: dV through P^T dO, dK and dQ through dP and dS (0 * NaN: no second select hides
+    it, tiles.transposed_score_grads). None: the same segments with clean operands leave every
+    mark clear, the empty query and key included."""
     b, s, hq, hkv, d, dtype = 1, 128, 2, 1, 64, jnp.bfloat16
     q, k, v, do = random_inputs(jax.random.PRNGKey(59), b, s, s, hq, hkv, d, dtype)
     dlse = jax.random.normal(jax.random.PRNGKey(60), (b, hq, s), jnp.float32)
@@ -95,11 +97,13 @@ def test_two_kernel_marks_a_value_only_one_kernel_meets(poison):
     out, stats = triton_forward.forward(spec, q, k, v, q_ids, kv_ids)
     if poison == "k":
         k = k.at[0, 110, 0, 3].set(jnp.nan)
+    elif poison == "q":
+        q = q.at[0, 20, 0, 3].set(jnp.nan)
     elif poison == "do":
         do = do.at[0, 20, 0, 3].set(jnp.nan)
     grads, clean = jax.jit(lambda *a: mosaic.backward_checked(spec, *a))(
         q, k, v, out, stats, do, dlse, q_ids, kv_ids)
-    reached = {"k": "dq", "do": "dv", None: None}[poison]
+    reached = {"k": {"dq"}, "q": {"dk"}, "do": {"dq", "dk", "dv"}, None: set()}[poison]
     for name, g in zip(("dq", "dk", "dv"), grads):
-        assert np.isnan(np.asarray(g, np.float32)).any() == (name == reached), name
+        assert np.isnan(np.asarray(g, np.float32)).any() == (name in reached), name
     assert bool(clean) == (poison is None)

@@ -322,7 +322,8 @@ CASES = [
          expect="fused", interpret=False),
     case("fused", "window-softcap-d64-f16", (1, 200, 250, 4, 2, 64), F16, BACKWARD,
          window=(70, 90), softcap=2.5, expect="fused"),
-    # Below 128: dQ by turns, as at 64, on head dims whose rows take narrower swizzles.
+    # Below 128: dQ by turns, as at 64, on head dims whose rows take narrower swizzles; at 112
+    # by columns, 64 and 48 (fused_backward.dq_columns).
     case("fused", "turns-causal-d32", (1, 200, 250, 2, 2, 32), BF16, BACKWARD, causal=True,
          expect="fused", bwd=FUSED_BELOW_64),
     case("fused", "turns-full-mqa-d48-f16", (1, 136, 200, 4, 1, 48), F16, BACKWARD,
@@ -331,7 +332,7 @@ CASES = [
          expect="fused"),
     case("fused", "turns-full-partial-gqa-d96", (1, 136, 200, 4, 2, 96), BF16, BACKWARD,
          expect="fused"),
-    case("fused", "turns-window-softcap-d112-f16", (1, 200, 250, 4, 2, 112), F16, BACKWARD,
+    case("fused", "columns-window-softcap-d112-f16", (1, 200, 250, 4, 2, 112), F16, BACKWARD,
          window=(70, 90), softcap=2.5, expect="fused"),
 
     # Head_dim 256 with the dK/dV warpgroups paired (one forms P^T, the other dS^T).

@@ -42,11 +42,11 @@ from pallas_flash.mosaic import fused_backward
 from pallas_flash.mosaic.common import (clamp_range, interpret_params, logit_units, narrowed,
                                        pad_seq, query_tile_position, stream_through_slots,
                                        streamed_range, unsupported_operands)
-from pallas_flash.mosaic.config import (SMEM_LIMIT, WG_ROWS, MosaicBackwardConfig,
-                                       default_backward_config)
+from pallas_flash.mosaic.config import (MAX_SETMAXNREG, SMEM_LIMIT, WG_ROWS,
+                                       MosaicBackwardConfig, default_backward_config)
 from pallas_flash.mosaic.tiles import (accumulate, bcast_cols, bcast_rows, cast_rows, idiv,
-                                      matmul, nonfinite_rows, positions, product, row_vector,
-                                      transposed_probabilities,
+                                      matmul, nonfinite_rows, product, row_vector,
+                                      tile_visibility, transposed_probabilities,
                                       transposed_score_grads, transposed_weights, zeros_acc)
 from pallas_flash.mosaic.schedule import TileGrid, backward_orders, grid_position
 from pallas_flash.spec import AttentionSpec
@@ -185,7 +185,7 @@ def _dkdv_body(q_ref, k_ref, v_ref, do_ref, st_ref, q_ids_ref, kv_ids_ref, cta_s
             wait_do = lambda: plgpu.barrier_wait(do_loaded.at[slot])
             if split == 0:
                 wait_q()
-                p_t, t_t, _ = transposed_probabilities(spec, c, my_k, q_blk, st, shape,
+                p_t, t_t = transposed_probabilities(spec, c, my_k, q_blk, st, shape,
                                                        visible_fn)
                 plgpu.barrier_wait(pt_free)
                 if t_t is None:
@@ -212,8 +212,7 @@ def _dkdv_body(q_ref, k_ref, v_ref, do_ref, st_ref, q_ids_ref, kv_ids_ref, cta_s
             plgpu.barrier_wait(pt_ready)
             p_t = plgpu.load(pt_smem)  # P^T, or P^T (1 - t^2) with a softcap
             plgpu.barrier_arrive(pt_free)
-            ds_t = transposed_score_grads(p_t, dp_t, st, None,
-                                          None if visible_fn is None else visible_fn())
+            ds_t = transposed_score_grads(p_t, dp_t, st)
             ds_in, rescale, fk = cast_rows(ds_t, fk, dtype)
             if spec.softcap is not None:
                 # P^T waits in the dS^T buffer: into dV before dS^T takes its place.
@@ -246,8 +245,8 @@ def _dkdv_body(q_ref, k_ref, v_ref, do_ref, st_ref, q_ids_ref, kv_ids_ref, cta_s
                 plgpu.barrier_wait(st_loaded.at[slot])
 
             def visible_fn():
-                k_pos, q_pos = positions(shape, key0, i * block_q)
-                visible = mask.visible(q_pos, k_pos, kv_len)
+                visible = tile_visibility(mask, shape, key0, i * block_q, kv_len,
+                                          keys_as_rows=True)
                 if kv_ids is not None:
                     q_ids = plgpu.load(q_ids_ref.at[batch, pl.ds(i * block_q, block_q)],
                                        optimized=False)
@@ -392,7 +391,11 @@ def _dq_body(q_ref, k_ref, v_ref, do_ref, st_ref, q_ids_ref, kv_ids_ref, cta_seg
 
     @pl.when(wg < wgs)
     def _compute():
-        plgpu.set_max_registers(cfg.compute_registers, action="increase")
+        # One compute warpgroup (head_dim above 208) has a two-warpgroup CTA's registers to
+        # share with the copy warpgroup alone: the most setmaxnreg gives, for its 64 x 256
+        # float32 dQ beside S and dP (at compute_registers ptxas spilled twice as much).
+        plgpu.set_max_registers(MAX_SETMAXNREG if wgs == 1 else cfg.compute_registers,
+                                action="increase")
         q0 = cta_start + wg * WG_ROWS
         my_q, my_do, my_st = q_smem.at[wg], do_smem.at[wg], st_smem.at[wg]
         rows = (batch, pl.ds(q0, WG_ROWS), head)
@@ -427,8 +430,8 @@ def _dq_body(q_ref, k_ref, v_ref, do_ref, st_ref, q_ids_ref, kv_ids_ref, cta_seg
             p = jnp.exp2((u - bcast_rows(m, shape)) * c - bcast_rows(r, shape))
             visible = None
             if masked:
-                q_pos, k_pos = positions(shape, q0, s * block_kv)
-                visible = mask.visible(q_pos, k_pos, kv_len)
+                visible = tile_visibility(mask, shape, q0, s * block_kv, kv_len,
+                                          keys_as_rows=False)
                 if q_ids is not None:
                     kv_ids = plgpu.load(kv_ids_ref.at[batch, pl.ds(s * block_kv, block_kv)],
                                         optimized=False)
@@ -441,8 +444,8 @@ def _dq_body(q_ref, k_ref, v_ref, do_ref, st_ref, q_ids_ref, kv_ids_ref, cta_seg
             ds = p * (dp - bcast_rows(delta, shape))
             if t is not None:
                 ds = ds * (1.0 - t * t)  # softcap chain rule
-            if visible is not None:
-                ds = jnp.where(visible, ds, 0.0)
+            # P is zero outside `visible`, so dS is too (tiles.transposed_score_grads says why
+            # no second select).
             ds_in, rescale, fq = cast_rows(ds, fq, dtype)
             if rescale is not None:
                 dq = dq * bcast_rows(rescale, dq.shape)

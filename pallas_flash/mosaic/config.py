@@ -323,8 +323,9 @@ class MosaicBackwardConfig:
                              f"got {self.fused_handout!r}")
         for name in ("compute_registers", "copy_registers"):
             _check_registers(f"MosaicBackwardConfig.{name}", getattr(self, name))
-        # The dK/dV kernel's two compute warpgroups and its copy warpgroup (the dQ kernel's
-        # one or two fit whenever these do); past the budget the GPU hangs (register_budget).
+        # The dK/dV kernel's two compute warpgroups and its copy warpgroup (the dQ kernel's two
+        # fit whenever these do; its one takes MAX_SETMAXNREG, which beside any copy_registers
+        # fits register_budget(2)); past the budget the GPU hangs (register_budget).
         budget = register_budget(3)
         if 2 * self.compute_registers + self.copy_registers > budget:
             most = (budget - self.copy_registers) // 2 // 8 * 8

@@ -13,7 +13,7 @@ next (docs/design.md says why that cannot deadlock). A CTA owns 128 keys at a ti
   * two compute warpgroups, 64 keys each, in backward.py's transposed orientation
     (S^T = K Q^T, P^T, dP^T = V dO^T, dS^T; dV += P^T dO, dK += dS^T Q). Both write their dS^T
     (64 keys x 64 queries) to shared memory and then share dQ_partial = dS K over all 128 keys
-    (`alternates`), stored to a float32 dQ tile (`fused_dq_slots` slots; dS^T is
+    (`dq_columns`), stored to a float32 dQ tile (`fused_dq_slots` slots; dS^T is
     double-buffered by step parity);
   * a copy warpgroup streams Q, dO and the row statistics;
   * a writer warpgroup moves each dQ tile to global memory: semaphore wait, TMA store (first
@@ -59,8 +59,8 @@ from pallas_flash.mosaic.config import FUSED_BLOCK_Q as BLOCK_Q
 from pallas_flash.mosaic.config import FUSED_CTA_KEYS as CTA_KEYS
 from pallas_flash.mosaic.config import FUSED_DS_BUFFERS as DS_BUFFERS
 from pallas_flash.mosaic.config import WG_ROWS
-from pallas_flash.mosaic.tiles import (F16_CAST_LIMIT, bcast_cols, bcast_rows, positions,
-                                      product, transposed_weights, zeros_acc)
+from pallas_flash.mosaic.tiles import (F16_CAST_LIMIT, bcast_cols, bcast_rows, product,
+                                      tile_visibility, transposed_weights, zeros_acc)
 from pallas_flash.mosaic.schedule import (device_sms, fused_first_tiles, fused_grid,
                                          fused_head_chunk, fused_item, fused_launches,
                                          fused_position, persistent_plan)
@@ -120,12 +120,20 @@ def dk_cast_scales(v, do, delta, group: int, keys: int):
     return pad_seq(_cast_factor(bound), keys, axis=2, value=1.0)
 
 
-def alternates(head_dim: int) -> bool:
-    """How the two compute warpgroups share dQ_partial = dS K: by columns at head_dim 128
-    (each head_dim / 2, every step), by turns below (the warpgroup of the step's parity does
-    all of it). Mosaic's layout inference refuses 32- and 56-column halves of K (no 8 x 16
-    tiling), and a 64 x 128 float32 accumulator beside dK and dV exceeds the registers."""
-    return head_dim < 128
+def dq_columns(head_dim: int) -> tuple[tuple[int, int], tuple[int, int]] | None:
+    """How the two compute warpgroups share dQ_partial = dS K: each warpgroup's (first column,
+    columns) of it, every step, or None where they take turns (the warpgroup of the step's
+    parity computes all of it).
+
+    By columns at 128 (halves) and 112 (64 and 48: Mosaic's layout inference refuses 56-column
+    halves of K, no 8 x 16 tiling), where a whole float32 accumulator beside dK and dV exceeds
+    a compute warpgroup's registers (at 112 ptxas spills). By turns below: halves of 32, 40 or
+    48 columns are refused or split K's swizzle tile, and the whole accumulator fits."""
+    if head_dim == 128:
+        return (0, 64), (64, 64)
+    if head_dim == 112:
+        return (0, 64), (64, 48)
+    return None
 
 
 def unsupported_reason(spec: AttentionSpec, q, k, cfg) -> str | None:
@@ -196,7 +204,8 @@ def _fused_body(q_ref, k_ref, v_ref, do_ref, st_ref, dk_ref, dv_ref, dq_ref, mar
     mask = spec.mask
     dtype = q_ref.dtype
     stages, slots = cfg.fused_stages, cfg.fused_dq_slots
-    by_turns = alternates(head_dim)
+    columns = dq_columns(head_dim)
+    by_turns = columns is None
     f16 = jnp.dtype(dtype) == jnp.float16
     c = logit_scale(spec) * LOG2E
     kv_len = mask.seq_kv if mask.seq_kv % WG_ROWS else None
@@ -238,12 +247,11 @@ def _fused_body(q_ref, k_ref, v_ref, do_ref, st_ref, dk_ref, dv_ref, dq_ref, mar
         stage = interp_smem[0].at[w] if spec.interpret else None
         shape = (WG_ROWS, BLOCK_Q)
         # dQ columns this warpgroup computes, from col0 (all of them on its turns).
-        cols = head_dim if by_turns else head_dim // 2
-        col0 = 0 if by_turns else w * cols
+        col0, cols = (0, head_dim) if by_turns else columns[w]
 
         def exchange(t, ds_t):
             """Share dS^T, then this warpgroup's share of dQ_partial = dS K over the CTA's 128
-            keys: its columns (column split) or, on its turn, all of it (`alternates`)."""
+            keys: its columns (column split) or, on its turn, all of it (`dq_columns`)."""
             par = lax.rem(t, jnp.int32(2))      # the step's parity: whose turn it is
             ds_smem.at[par, w][...] = ds_t
             plgpu.commit_smem()
@@ -314,8 +322,8 @@ def _fused_body(q_ref, k_ref, v_ref, do_ref, st_ref, dk_ref, dv_ref, dq_ref, mar
                     plgpu.barrier_wait(st_loaded.at[slot])
 
                 def visible_fn():
-                    k_pos, q_pos = positions(shape, key0, i * BLOCK_Q)
-                    return mask.visible(q_pos, k_pos, kv_len)
+                    return tile_visibility(mask, shape, key0, i * BLOCK_Q, kv_len,
+                                           keys_as_rows=True)
 
                 p_t, ds_t = transposed_weights(
                     spec, c, my_k, my_v, q_blk, do_blk, st, shape, wait_q=wait_q,

@@ -94,9 +94,25 @@ def matmul(a_ref, b_ref, shape):
 
 
 def positions(shape, row0, col0):
-    rows = lax.broadcasted_iota(jnp.int32, shape, 0) + row0
-    cols = lax.broadcasted_iota(jnp.int32, shape, 1) + col0
+    """(row, column) positions of a tile's entries, as iotas in the WGMMA layout of the tiles
+    they mask. Stated, not inferred: ptxas spilled more beside layout-free iotas in the causal
+    backward (`benchmarks/sm90_compile.py`), and row and column vectors broadcast across the
+    tile instead left the layout inference of the paired float16 softcap dK/dV kernel past
+    its budget."""
+    rows = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA) + row0
+    cols = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA) + col0
     return rows, cols
+
+
+def tile_visibility(mask, shape, row0, col0, kv_len, *, keys_as_rows: bool):
+    """mask.visible over a tile whose first entry is (row0, col0), keys along its rows or its
+    columns; None where nothing masks (no position mask, no key bound), so that no kernel
+    carries iotas it never reads."""
+    if not mask.has_position_mask and kv_len is None:
+        return None
+    rows, cols = positions(shape, row0, col0)
+    k_pos, q_pos = (rows, cols) if keys_as_rows else (cols, rows)
+    return mask.visible(q_pos, k_pos, kv_len)
 
 
 def idiv(x, d: int):
@@ -112,13 +128,13 @@ def transposed_weights(spec, c, k_tile, v_tile, q_blk, do_blk, st, shape, *, wai
     the visibility (or None), outside which P^T and dS^T are zero. The products run one after
     the other: issuing dP^T behind S^T to form P^T meanwhile is slower (docs/tuning.md)."""
     wait_q()
-    p_t, t_t, visible = transposed_probabilities(spec, c, k_tile, q_blk, st, shape, visible_fn)
+    p_t, t_t = transposed_probabilities(spec, c, k_tile, q_blk, st, shape, visible_fn)
     wait_do()
-    return p_t, transposed_score_grads(p_t, matmul(v_tile, do_blk.T, shape), st, t_t, visible)
+    return p_t, transposed_score_grads(p_t, matmul(v_tile, do_blk.T, shape), st, t_t)
 
 
 def transposed_probabilities(spec, c, k_tile, q_blk, st, shape, visible_fn=None):
-    """(P^T, t^T or None, visibility or None): the first half of `transposed_weights`."""
+    """(P^T, t^T or None): the first half of `transposed_weights`."""
     u_t, t_t = logit_units(spec, matmul(k_tile, q_blk.T, shape))
     m = plgpu.load(st.at[0])
     r = plgpu.load(st.at[1])
@@ -126,16 +142,20 @@ def transposed_probabilities(spec, c, k_tile, q_blk, st, shape, visible_fn=None)
     visible = None if visible_fn is None else visible_fn()
     if visible is not None:
         p_t = jnp.where(visible, p_t, 0.0)
-    return p_t, t_t, visible
+    return p_t, t_t
 
 
-def transposed_score_grads(p_t, dp_t, st, t_t=None, visible=None):
-    """dS^T = P^T (dP^T - D) (times 1 - t^2 with a softcap), zeroed outside `visible`: the
-    second half of `transposed_weights`."""
+def transposed_score_grads(p_t, dp_t, st, t_t=None):
+    """dS^T = P^T (dP^T - D) (times 1 - t^2 with a softcap): the second half of
+    `transposed_weights`.
+
+    No mask here: P^T is already zero outside the visible entries, so dS^T is too wherever
+    dP^T is finite. A second select would only matter for a non-finite V or dO entry that the
+    mask hides, which reaches the gradients through dV's and dQ's products anyway (guarded.py),
+    and it would keep the mask live in registers across the dP^T product (ptxas spilled there
+    in the causal fused kernel)."""
     delta = plgpu.load(st.at[2])
     ds_t = p_t * (dp_t - bcast_cols(delta, dp_t.shape))
     if t_t is not None:
         ds_t = ds_t * (1.0 - t_t * t_t)  # softcap: d(c tanh(x / c)) = 1 - tanh^2
-    if visible is not None:
-        ds_t = jnp.where(visible, ds_t, 0.0)
     return ds_t
