@@ -64,6 +64,19 @@ def test_shared_memory_is_checked():
     assert "fused kernel" in mosaic.unsupported_reason(spec, q, k, v, two)
 
 
+def test_dq_columns_tile_the_head_dim():
+    """Where the compute warpgroups share the dQ product by columns (112 and 128), their
+    slices are whole 16s (a wgmma step, and the tiling layout inference accepts) that cover
+    the head_dim once, in order; everywhere else they take turns."""
+    split = {d: fused.dq_columns(d) for d in fused.HEAD_DIMS}
+    assert {d for d, cols in split.items() if cols is not None} == {112, 128}
+    for d, cols in split.items():
+        if cols is not None:
+            (first0, n0), (first1, n1) = cols
+            assert (first0, first1, n0 + n1) == (0, n0, d), d
+            assert n0 % 16 == 0 and n1 % 16 == 0, d
+
+
 @pytest.mark.parametrize("b,d,causal,options,dtype", [
     (2, 128, True, {}, jnp.bfloat16), (2, 128, False, dict(window=(100, 50), softcap=30.0),
                                        jnp.bfloat16),
