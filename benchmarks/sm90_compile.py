@@ -22,7 +22,13 @@ one and the lowering cache).
 How: JAX's compile-only topology for the cuda platform, described by `TARGET_CONFIG` (an
 H200's figures), compiles the program as XLA does on the GPU, Mosaic GPU's ptxas included;
 MOSAIC_GPU_DUMP_PTXAS makes ptxas print its resource report. The Triton kernels compile inside
-XLA, which prints no such report. The library asks the local device whether it is an sm_90
+XLA, which prints no such report.
+
+The report depends on ptxas's version as much as on the kernel: XLA runs the first ptxas it
+finds (on PATH, unless --xla_gpu_cuda_data_dir says where), and two versions can spill quite
+differently for the same PTX. Each row records the assembler XLA used, from its own log line;
+--ptxas-dir puts another ptxas first on the child's PATH (for example the bin folder of the
+nvidia-cuda-nvcc wheel that jax[cuda13] installs). The library asks the local device whether it is an sm_90
 GPU; here there is none, so the child answers for it (`_as_sm90`).
 """
 
@@ -98,6 +104,21 @@ def parse_case(text: str) -> dict:
         raise ValueError(f"MASK is one of {sorted(MASKS)} and PASS one of {PASSES}, got "
                          f"{text!r}")
     return {**case, "pass": parts[2], "causal": MASKS[parts[1]]}
+
+
+# XLA's line naming the assembler it chose (TF_CPP_VMODULE=assemble_compilation_provider=3).
+_ASSEMBLER = re.compile(r"Using ptxas\(path=([^,]+), version=([\w.]+)\)")
+_LIBRARY = re.compile(r"Using (libnvptxcompiler|libnvjitlink)")
+
+
+def parse_assembler(text: str) -> str | None:
+    """The PTX assembler XLA's log says it used: "ptxas VERSION (PATH)", a library's name,
+    or None where the log does not say."""
+    if m := _ASSEMBLER.search(text):
+        return f"ptxas {m.group(2)} ({m.group(1)})"
+    if m := _LIBRARY.search(text):
+        return m.group(1)
+    return None
 
 
 def parse_ptxas(text: str) -> list[dict]:
@@ -183,9 +204,15 @@ def child(case: dict, backend: str, dtype_name: str) -> dict:
     return times
 
 
-def run_case(case: dict, backend: str, dtype: str) -> dict:
-    """One case in a fresh process: its times and ptxas's report of its Mosaic kernels."""
-    env = dict(os.environ, MOSAIC_GPU_DUMP_PTXAS="1", JAX_PLATFORMS="cpu",
+def run_case(case: dict, backend: str, dtype: str, ptxas_dir: str | None = None) -> dict:
+    """One case in a fresh process: its times, the assembler XLA chose and ptxas's report of
+    its Mosaic kernels."""
+    path = os.environ.get("PATH", "")
+    if ptxas_dir:
+        path = os.pathsep.join([str(Path(ptxas_dir).resolve()), path])
+    env = dict(os.environ, MOSAIC_GPU_DUMP_PTXAS="1", JAX_PLATFORMS="cpu", PATH=path,
+               # XLA names the assembler it picked only in this module's verbose log.
+               TF_CPP_MIN_LOG_LEVEL="0", TF_CPP_VMODULE="assemble_compilation_provider=3",
                # No CUDA driver here to check the plugin's libraries against.
                JAX_SKIP_CUDA_CONSTRAINTS_CHECK="1", PALLAS_FLASH_LOWERING_CACHE="0",
                JAX_ENABLE_COMPILATION_CACHE="false",
@@ -194,6 +221,7 @@ def run_case(case: dict, backend: str, dtype: str) -> dict:
         [sys.executable, __file__, "--child", json.dumps(case), "--backend", backend,
          "--dtype", dtype], capture_output=True, text=True, env=env)
     row = {"case": case["text"], "backend": backend, "dtype": dtype,
+           "assembler": parse_assembler(proc.stderr + proc.stdout),
            "kernels": parse_ptxas(proc.stdout + proc.stderr)}
     result = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     if proc.returncode != 0 or not result:
@@ -207,7 +235,8 @@ def format_row(row: dict) -> str:
     if "error" in row:
         return f"{head}: error: {row['error']}"
     lines = [f"{head}: trace {row['trace_s']:.2f} s, lower {row['lower_s']:.2f} s, "
-             f"compile {row['compile_s']:.2f} s"]
+             f"compile {row['compile_s']:.2f} s"
+             + (f", {row['assembler']}" if row.get("assembler") else "")]
     for k in row["kernels"]:
         lines.append(f"  {k['kernel']:<34} {k.get('registers', '?'):>4} registers, "
                      f"stack {k.get('stack', '?')} B, spills {k.get('spill_stores', '?')} B "
@@ -232,6 +261,9 @@ def table(rows: list[dict]) -> str:
         if "error" in row:
             cells = [f"error: {row['error']}"] + [""] * (len(kernels) - 1)
         lines.append(f"| {row['case']} | " + " | ".join(cells) + " |")
+    assemblers = sorted({row["assembler"] for row in rows if row.get("assembler")})
+    if assemblers:
+        lines += ["", "Assembler: " + "; ".join(assemblers) + "."]
     return "\n".join(lines)
 
 
@@ -255,6 +287,8 @@ def main(argv=None) -> int:
                         help="comma-separated SHAPE:MASK:PASS or decode:SHAPE:Q_LEN")
     parser.add_argument("--backend", default="mosaic", choices=("auto", "mosaic", "triton"))
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"))
+    parser.add_argument("--ptxas-dir", metavar="DIR",
+                        help="a folder holding the ptxas to compile with, put first on PATH")
     parser.add_argument("--out", help="a folder for sm90_compile.json")
     parser.add_argument("--table", metavar="FILE",
                         help="print a results file's Markdown table (docs/tuning.md) and exit")
@@ -266,10 +300,12 @@ def main(argv=None) -> int:
     if args.child:
         print(json.dumps(child(json.loads(args.child), args.backend, args.dtype)), flush=True)
         return 0
+    if args.ptxas_dir and not (Path(args.ptxas_dir) / "ptxas").is_file():
+        parser.error(f"--ptxas-dir {args.ptxas_dir} holds no ptxas")
     cases = [parse_case(text) for text in args.cases.split(",") if text.strip()]
     rows = []
     for case in cases:
-        rows.append(run_case(case, args.backend, args.dtype))
+        rows.append(run_case(case, args.backend, args.dtype, args.ptxas_dir))
         print(format_row(rows[-1]), flush=True)
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)

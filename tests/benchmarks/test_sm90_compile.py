@@ -85,3 +85,33 @@ def test_table(sm90):
     assert lines[2] == "| 2x8kx16x16x112:full:step | 168 r, 0 / 0 | 128 r, 116 / 124 | – |"
     assert lines[3] == "| 2x8kx8x8x256:full:step | 168 r, 0 / 0 | – | 232 r, 212 / 228 |"
     assert lines[4].startswith("| 2x8kx8x8x512:full:step | error: ValueError: head_dim")
+    assert len(lines) == 5          # no assembler recorded, no line for it
+
+
+# XLA's log lines naming the assembler it chose (TF_CPP_VMODULE=assemble_compilation_provider=3).
+SUBPROCESS_LOG = ("I1205 10:59:51.976449   18212 assemble_compilation_provider.cc:226] Using "
+                  "ptxas(path=/usr/local/bin/ptxas, version=13.0.88) and nvlink(path=/usr/local/"
+                  "bin/nvlink, version=13.0.88) for compilation and linking.")
+
+
+def test_parse_assembler(sm90):
+    assert sm90.parse_assembler("noise\n" + SUBPROCESS_LOG) == "ptxas 13.0.88 (/usr/local/bin/ptxas)"
+    assert sm90.parse_assembler(
+        "Using libnvptxcompiler for compilation and libnvjitlink for linking.") == "libnvptxcompiler"
+    assert sm90.parse_assembler(REPORT) is None
+
+
+def test_assembler_in_row_and_table(sm90):
+    row = {"case": "2x8kx16x16x128:causal:step", "backend": "mosaic", "dtype": "bfloat16",
+           "trace_s": 0.2, "lower_s": 2.7, "compile_s": 4.2,
+           "assembler": sm90.parse_assembler(SUBPROCESS_LOG), "kernels": sm90.parse_ptxas(REPORT)}
+    assert sm90.format_row(row).splitlines()[0].endswith(
+        "compile 4.20 s, ptxas 13.0.88 (/usr/local/bin/ptxas)")
+    lines = sm90.table([row, {**row, "case": "1x16kx16x16x128:causal:step"}]).splitlines()
+    assert lines[-1] == "Assembler: ptxas 13.0.88 (/usr/local/bin/ptxas)."
+
+
+def test_ptxas_dir_without_ptxas_is_refused(sm90, tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        sm90.main(["--ptxas-dir", str(tmp_path), "--cases", "1x128x2x2x64:full:fwd"])
+    assert "holds no ptxas" in capsys.readouterr().err
