@@ -24,11 +24,12 @@ H200's figures), compiles the program as XLA does on the GPU, Mosaic GPU's ptxas
 MOSAIC_GPU_DUMP_PTXAS makes ptxas print its resource report. The Triton kernels compile inside
 XLA, which prints no such report.
 
-The report depends on ptxas's version as much as on the kernel: XLA runs the first ptxas it
-finds (on PATH, unless --xla_gpu_cuda_data_dir says where), and two versions can spill quite
-differently for the same PTX. Each row records the assembler XLA used, from its own log line;
---ptxas-dir puts another ptxas first on the child's PATH (for example the bin folder of the
-nvidia-cuda-nvcc wheel that jax[cuda13] installs). The library asks the local device whether it is an sm_90
+The report depends on ptxas's version as much as on the kernel: two versions can spill quite
+differently for the same PTX. Mosaic GPU assembles its kernels with the first ptxas on PATH,
+while XLA's own kernels take the one in jax's CUDA folder (the nvidia-cuda-nvcc wheel), so a
+step can name two. Each row records the assemblers XLA's log names, in order; --ptxas-dir puts
+another ptxas first on the child's PATH (the wheel's bin folder, say), which changes the Mosaic
+kernels' report. The library asks the local device whether it is an sm_90
 GPU; here there is none, so the child answers for it (`_as_sm90`).
 """
 
@@ -111,14 +112,20 @@ _ASSEMBLER = re.compile(r"Using ptxas\(path=([^,]+), version=([\w.]+)\)")
 _LIBRARY = re.compile(r"Using (libnvptxcompiler|libnvjitlink)")
 
 
-def parse_assembler(text: str) -> str | None:
-    """The PTX assembler XLA's log says it used: "ptxas VERSION (PATH)", a library's name,
-    or None where the log does not say."""
-    if m := _ASSEMBLER.search(text):
-        return f"ptxas {m.group(2)} ({m.group(1)})"
-    if m := _LIBRARY.search(text):
-        return m.group(1)
-    return None
+def parse_assemblers(text: str) -> list[str]:
+    """The PTX assemblers XLA's log says it set up, in order and once each: "ptxas VERSION
+    (PATH)" or a library's name."""
+    found = []
+    for line in text.splitlines():
+        if m := _ASSEMBLER.search(line):
+            name = f"ptxas {m.group(2)} ({m.group(1)})"
+        elif m := _LIBRARY.search(line):
+            name = m.group(1)
+        else:
+            continue
+        if name not in found:
+            found.append(name)
+    return found
 
 
 def parse_ptxas(text: str) -> list[dict]:
@@ -221,8 +228,10 @@ def run_case(case: dict, backend: str, dtype: str, ptxas_dir: str | None = None)
         [sys.executable, __file__, "--child", json.dumps(case), "--backend", backend,
          "--dtype", dtype], capture_output=True, text=True, env=env)
     row = {"case": case["text"], "backend": backend, "dtype": dtype,
-           "assembler": parse_assembler(proc.stderr + proc.stdout),
-           "kernels": parse_ptxas(proc.stdout + proc.stderr)}
+           "assemblers": parse_assemblers(proc.stderr),
+           # Mosaic GPU prints ptxas's report on stdout; XLA's log on stderr repeats it for a
+           # kernel that spills, so stderr is read only where stdout holds none.
+           "kernels": parse_ptxas(proc.stdout) or parse_ptxas(proc.stderr)}
     result = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     if proc.returncode != 0 or not result:
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:]
@@ -236,7 +245,7 @@ def format_row(row: dict) -> str:
         return f"{head}: error: {row['error']}"
     lines = [f"{head}: trace {row['trace_s']:.2f} s, lower {row['lower_s']:.2f} s, "
              f"compile {row['compile_s']:.2f} s"
-             + (f", {row['assembler']}" if row.get("assembler") else "")]
+             + "".join(f", {name}" for name in row.get("assemblers", []))]
     for k in row["kernels"]:
         lines.append(f"  {k['kernel']:<34} {k.get('registers', '?'):>4} registers, "
                      f"stack {k.get('stack', '?')} B, spills {k.get('spill_stores', '?')} B "
@@ -261,9 +270,11 @@ def table(rows: list[dict]) -> str:
         if "error" in row:
             cells = [f"error: {row['error']}"] + [""] * (len(kernels) - 1)
         lines.append(f"| {row['case']} | " + " | ".join(cells) + " |")
-    assemblers = sorted({row["assembler"] for row in rows if row.get("assembler")})
+    assemblers = []
+    for row in rows:
+        assemblers += [name for name in row.get("assemblers", []) if name not in assemblers]
     if assemblers:
-        lines += ["", "Assembler: " + "; ".join(assemblers) + "."]
+        lines += ["", "Assemblers XLA's log names: " + "; ".join(assemblers) + "."]
     return "\n".join(lines)
 
 

@@ -88,27 +88,32 @@ def test_table(sm90):
     assert len(lines) == 5          # no assembler recorded, no line for it
 
 
-# XLA's log lines naming the assembler it chose (TF_CPP_VMODULE=assemble_compilation_provider=3).
-SUBPROCESS_LOG = ("I1205 10:59:51.976449   18212 assemble_compilation_provider.cc:226] Using "
-                  "ptxas(path=/usr/local/bin/ptxas, version=13.0.88) and nvlink(path=/usr/local/"
-                  "bin/nvlink, version=13.0.88) for compilation and linking.")
+# XLA's log lines naming the assemblers it set up (TF_CPP_VMODULE=assemble_compilation_provider=3):
+# XLA's own, then Mosaic GPU's, found on PATH.
+LOG = """\
+I1205 11:06:22.584365   20900 assemble_compilation_provider.cc:226] Using ptxas(path=/venv/nvidia/cu13/bin/ptxas, version=13.5.37) and nvlink(path=/venv/nvidia/cu13/bin/nvlink, version=13.5.37) for compilation and linking.
+I1205 11:06:22.600000   20900 subprocess_compilation.cc:349] ptxas warning : Registers are spilled
+I1205 11:06:23.034357   20900 assemble_compilation_provider.cc:226] Using ptxas(path=/usr/local/bin/ptxas, version=13.0.88) and nvlink(path=/usr/local/bin/nvlink, version=13.0.88) for compilation and linking.
+I1205 11:06:24.034357   20900 assemble_compilation_provider.cc:226] Using ptxas(path=/usr/local/bin/ptxas, version=13.0.88) and nvlink(path=/usr/local/bin/nvlink, version=13.0.88) for compilation and linking.
+"""
+NAMES = ["ptxas 13.5.37 (/venv/nvidia/cu13/bin/ptxas)", "ptxas 13.0.88 (/usr/local/bin/ptxas)"]
 
 
-def test_parse_assembler(sm90):
-    assert sm90.parse_assembler("noise\n" + SUBPROCESS_LOG) == "ptxas 13.0.88 (/usr/local/bin/ptxas)"
-    assert sm90.parse_assembler(
-        "Using libnvptxcompiler for compilation and libnvjitlink for linking.") == "libnvptxcompiler"
-    assert sm90.parse_assembler(REPORT) is None
+def test_parse_assemblers(sm90):
+    assert sm90.parse_assemblers(LOG) == NAMES
+    assert sm90.parse_assemblers(
+        "Using libnvptxcompiler for compilation and libnvjitlink for linking.") == [
+            "libnvptxcompiler"]
+    assert sm90.parse_assemblers(REPORT) == []
 
 
-def test_assembler_in_row_and_table(sm90):
+def test_assemblers_in_row_and_table(sm90):
     row = {"case": "2x8kx16x16x128:causal:step", "backend": "mosaic", "dtype": "bfloat16",
            "trace_s": 0.2, "lower_s": 2.7, "compile_s": 4.2,
-           "assembler": sm90.parse_assembler(SUBPROCESS_LOG), "kernels": sm90.parse_ptxas(REPORT)}
-    assert sm90.format_row(row).splitlines()[0].endswith(
-        "compile 4.20 s, ptxas 13.0.88 (/usr/local/bin/ptxas)")
+           "assemblers": sm90.parse_assemblers(LOG), "kernels": sm90.parse_ptxas(REPORT)}
+    assert sm90.format_row(row).splitlines()[0].endswith("compile 4.20 s, " + ", ".join(NAMES))
     lines = sm90.table([row, {**row, "case": "1x16kx16x16x128:causal:step"}]).splitlines()
-    assert lines[-1] == "Assembler: ptxas 13.0.88 (/usr/local/bin/ptxas)."
+    assert lines[-1] == "Assemblers XLA's log names: " + "; ".join(NAMES) + "."
 
 
 def test_ptxas_dir_without_ptxas_is_refused(sm90, tmp_path, capsys):
