@@ -86,7 +86,7 @@ def uses_fused(spec: AttentionSpec, q, k, cfg: MosaicBackwardConfig,
     with V's own head_dim (head_dim_v)."""
     if head_dim_v is not None and head_dim_v != q.shape[-1]:
         return False
-    return cfg.fused and fused_backward.unsupported_reason(spec, q, k, cfg) is None
+    return cfg.fused and fused_backward.unsupported_reason(spec, q) is None
 
 
 def _lcm(a: int, b: int) -> int:

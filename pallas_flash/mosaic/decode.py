@@ -365,7 +365,7 @@ def _compute_keys_as_m(*, plan, tiles, q_ref, o_ref, lse_ref, q_smem, k_smem, v_
         plgpu.wait_smem_to_gmem(0)
 
 
-def _kernel(*refs, plan, tiles: DecodeTiles, n_tiles: int):
+def _kernel(*refs, plan, tiles: DecodeTiles):
     if plan.paged:
         q_ref, k_ref, v_ref, lens_ref, table_ref, *rest = refs
     else:
@@ -650,7 +650,7 @@ def partial(plan, q_packed, k_cache, v_cache, kv_lengths, block_table, *,
     out_type = (jax.ShapeDtypeStruct((cells, rows, head_dim), jnp.float32),
                 jax.ShapeDtypeStruct((cells, lse_rows), jnp.float32))
     call = plgpu.kernel(
-        functools.partial(_kernel, plan=plan, tiles=tiles, n_tiles=n_tiles),
+        functools.partial(_kernel, plan=plan, tiles=tiles),
         out_type=out_type,
         scratch_types=scratch,
         grid=(n_tiles * splits, kv_heads, batch),
@@ -704,7 +704,7 @@ def _partial_keys_as_m(plan, tiles, q_packed, k_cache, v_cache, kv_lengths, bloc
     out_type = (jax.ShapeDtypeStruct((cells, head_dim, n), jnp.float32),
                 jax.ShapeDtypeStruct((cells, n), jnp.float32))
     call = plgpu.kernel(
-        functools.partial(_kernel, plan=plan, tiles=tiles, n_tiles=1),
+        functools.partial(_kernel, plan=plan, tiles=tiles),
         out_type=out_type,
         scratch_types=scratch,
         grid=(splits, kv_heads, batch),

@@ -136,7 +136,7 @@ def dq_columns(head_dim: int) -> tuple[tuple[int, int], tuple[int, int]] | None:
     return None
 
 
-def unsupported_reason(spec: AttentionSpec, q, k, cfg) -> str | None:
+def unsupported_reason(spec: AttentionSpec, q) -> str | None:
     """Why the fused kernel cannot serve this call (the two-kernel path then does), or None."""
     head_dim = q.shape[-1]
     if spec.has_segments:
@@ -146,7 +146,6 @@ def unsupported_reason(spec: AttentionSpec, q, k, cfg) -> str | None:
                 "float16)")
     if head_dim not in HEAD_DIMS:
         return f"head_dim {head_dim} (the fused kernel takes {HEAD_DIMS})"
-    del k
     return None
 
 
