@@ -46,7 +46,7 @@ import pallas_flash
 from pallas_flash.bench.accuracy import rel_err
 from pallas_flash.bench.cases import parse_seq, seq_label
 from pallas_flash.bench.impls import NotApplicable, import_tokamax, short_error
-from pallas_flash.bench.timing import default_warm_s, time_calls
+from pallas_flash.bench.timing import default_warm_s, time_calls, time_interleaved
 
 # The matrix of the issue: every combination of these, q_len 1 and 4, both cache layouts.
 BATCHES = (1, 4, 16, 64)
@@ -319,12 +319,13 @@ def compile_all(jobs: dict, workers: int) -> dict:
         return dict(zip(jobs, pool.map(one, jobs.values())))
 
 
-def _time(fn, args: tuple, calls: int, opts, warm_s: float) -> tuple[dict, Any]:
-    """Row fields (the time of one call) and the output of the last call."""
+def _fields(result: tuple[Any, Any], calls: int) -> tuple[dict, Any]:
+    """Row fields (the time of one call) and the output of the last call, from one job's
+    (times of a program, or the exception it raised; its last output)."""
+    times, outs = result
     try:
-        if isinstance(fn, Exception):
-            raise fn
-        times, outs = time_calls(fn, args, opts.iters, opts.warmup, opts.pipelined, warm_s)
+        if isinstance(times, Exception):
+            raise times
         times, out = [t / calls for t in times], outs[-1]
     except NotApplicable as e:
         return {"status": "n.a.", "error": str(e)}, None
@@ -336,12 +337,19 @@ def _time(fn, args: tuple, calls: int, opts, warm_s: float) -> tuple[dict, Any]:
             "ms": statistics.median(times) * 1e3}, out
 
 
+def _raiser(error: Exception) -> Callable:
+    def fn(*args):
+        raise error
+    return fn
+
+
 def run_group(group: Group, impls: list[str], opts, copy_gbps: float, key) -> dict:
     """Every case of one cache shape: all q_heads and q_lens, each implementation on the
-    contiguous cache and (ours) the paged one one after the other, the order of the rows
-    reversed from one case to the next, so that neither a layout nor an implementation is
-    always timed first. The group's first row is timed after GROUP_WARM_S of calls: the GPU sat
-    idle while the group compiled.
+    contiguous cache and (ours) the paged one, a case's rows timed together in interleaved
+    rounds (`timing.time_interleaved`), their order reversed from one case to the next, so
+    that neither a layout nor an implementation is always timed first. The group's first case
+    is timed after GROUP_WARM_S of calls (later ones after timing.WARM_S_GPU): the GPU sat idle
+    while the group compiled.
 
     Returns {"rows": [...], "compile_s", "seconds"}."""
     start = time.perf_counter()
@@ -372,9 +380,8 @@ def run_group(group: Group, impls: list[str], opts, copy_gbps: float, key) -> di
                for i, case in enumerate(cases)}
     rows, outputs = [], {}
 
-    def record(hq, q_len, layout, name, caches, table, ref, warm_s):
-        args = ((queries[hq, q_len],) * calls, caches, lengths, table)
-        fields, out = _time(compiled[hq, q_len, layout, name], args, calls, opts, warm_s)
+    def record(hq, q_len, layout, name, result, ref):
+        fields, out = _fields(result, calls)
         row = {"batch": b, "context": c, "q_len": q_len, "q_heads": hq, "kv_heads": hkv,
                "head_dim": d, "layout": layout,
                "page_size": opts.page_size if layout == "paged" else None,
@@ -402,9 +409,18 @@ def run_group(group: Group, impls: list[str], opts, copy_gbps: float, key) -> di
     for i, (hq, q_len) in enumerate(cases):
         order = [(name, layout) for name in impls for layout in LAYOUTS
                  if layout == "contiguous" or name in OURS]
-        for name, layout in (order if i % 2 == 0 else order[::-1]):
-            record(hq, q_len, layout, name, *layouts[layout], refs[hq, q_len], warm_s)
-            warm_s = default_warm_s()
+        order = order if i % 2 == 0 else order[::-1]
+        jobs = []
+        for name, layout in order:
+            caches, table = layouts[layout]
+            fn = compiled[hq, q_len, layout, name]
+            # A program that failed to compile raises in its first call, as the row's result.
+            jobs.append((_raiser(fn) if isinstance(fn, Exception) else fn,
+                         ((queries[hq, q_len],) * calls, caches, lengths, table)))
+        results = time_interleaved(jobs, opts.iters, opts.warmup, opts.pipelined, warm_s)
+        for (name, layout), result in zip(order, results):
+            record(hq, q_len, layout, name, result, refs[hq, q_len])
+        warm_s = default_warm_s()
     add_comparisons(rows, outputs)
     return {"rows": rows, "compile_s": compile_s, "seconds": time.perf_counter() - start}
 

@@ -54,6 +54,59 @@ def time_calls(f, args, iters: int, warmup: int, pipelined: bool = False,
     """Per-call wall times in seconds (after warmup) and the last result; pipelined: the
     mean per call of each of three batches of `iters` back-to-back calls. warm_s: seconds of
     back-to-back calls after the warmup calls, before timing."""
+    out = _warm(f, args, warmup, warm_s)
+    times = []
+    for _ in range(ROUNDS if pipelined else 1):
+        batch, out = _batch(f, args, iters, pipelined)
+        times += batch
+    return times, out
+
+
+def time_interleaved(jobs: list[tuple[Any, tuple]], iters: int, warmup: int,
+                     pipelined: bool = False, warm_s: float = 0.0) -> list[tuple[Any, Any]]:
+    """time_calls for several functions at once, (times, last result) per (f, args) of jobs,
+    or (the exception, None) for one that raised: the same batches, but interleaved. Every
+    function takes its warmup calls first, then the first one runs back to back for warm_s
+    seconds, and each of three rounds times one batch of every function in turn (pipelined:
+    `iters` back-to-back calls; else iters / 3 calls, each timed alone), in an order reversed
+    from one round to the next.
+
+    Why: rows compared with one another (two backends, two cache layouts, a comparator) are
+    then timed under the same conditions. Timed one after another, a millisecond program's
+    rows depend on the clock the GPU happens to run at while each is timed, which the
+    batches of one row share: two rows of one kernel have differed by a third, each steady.
+    """
+    results: list[tuple[Any, Any]] = [(None, None)] * len(jobs)
+    live = []
+    for i, (f, args) in enumerate(jobs):
+        try:
+            results[i] = ([], _warm(f, args, warmup, 0.0))
+            live.append(i)
+        except Exception as e:  # noqa: BLE001 - the job's result
+            results[i] = (e, None)
+    if live:
+        _keep_busy(*jobs[live[0]], warm_s)
+    per_round = iters if pipelined else -(-iters // ROUNDS)
+    for r in range(ROUNDS):
+        for i in (live if r % 2 == 0 else live[::-1]):
+            if isinstance(results[i][0], Exception):
+                continue
+            f, args = jobs[i]
+            try:
+                batch, out = _batch(f, args, per_round, pipelined)
+                results[i] = (results[i][0] + batch, out)
+            except Exception as e:  # noqa: BLE001 - the job's result
+                results[i] = (e, None)
+    return results
+
+
+# Timed batches of a pipelined measurement (rounds of time_interleaved).
+ROUNDS = 3
+
+
+def _warm(f, args, warmup: int, warm_s: float):
+    """The warmup calls (at least two), then warm_s seconds of back-to-back calls; the last
+    result."""
     out = None
     # At least two: the first call compiles, and JAX's Pallas modules load on
     # the first trace in a process and register config options, which changes
@@ -61,22 +114,33 @@ def time_calls(f, args, iters: int, warmup: int, pipelined: bool = False,
     # compiles again.
     for _ in range(max(warmup, 2)):
         out = jax.block_until_ready(f(*args))
-    # A GPU left idle while the host compiled runs at a low clock for a while after it
-    # resumes; a few short calls do not bring it back up, this keeps it busy until they do.
+    return _keep_busy(f, args, warm_s, out)
+
+
+def _keep_busy(f, args, warm_s: float, out=None):
+    """Back-to-back calls for warm_s seconds; the last result (`out` if none ran).
+
+    A GPU left idle while the host compiled runs at a low clock for a while after it resumes;
+    a few short calls do not bring it back up, this keeps it busy until they do."""
     t_end = time.perf_counter() + warm_s
     while time.perf_counter() < t_end:
         for _ in range(8):
             out = f(*args)
         out = jax.block_until_ready(out)
-    times = []
+    return out
+
+
+def _batch(f, args, iters: int, pipelined: bool) -> tuple[list[float], Any]:
+    """One timed batch: pipelined, [the mean of `iters` back-to-back calls]; else the time of
+    each of `iters` calls, each ended by block_until_ready."""
+    out = None
     if pipelined:
-        for _ in range(3):
-            t0 = time.perf_counter()
-            for _ in range(iters):
-                out = f(*args)
-            out = jax.block_until_ready(out)
-            times.append((time.perf_counter() - t0) / iters)
-        return times, out
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            out = f(*args)
+        out = jax.block_until_ready(out)
+        return [(time.perf_counter() - t0) / iters], out
+    times = []
     for _ in range(iters):
         t0 = time.perf_counter()
         out = jax.block_until_ready(f(*args))

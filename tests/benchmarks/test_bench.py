@@ -299,6 +299,34 @@ def test_timer_calls_and_times(pipelined):
     assert float(out[0]) == len(calls)
 
 
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_interleaved_timer_alternates_and_keeps_failures(pipelined):
+    """Each function's warmup calls first; then rounds that time one batch of every function
+    in turn, the order reversed each round; a function that raises is that job's result and
+    the others are timed as if it were not there."""
+    log = []
+
+    def make(name):
+        def f(x):
+            log.append(name)
+            return x + len(log)
+        return f
+
+    def broken(x):
+        raise ValueError("no kernel for this case")
+
+    jobs = [(make("a"), (jnp.zeros(3),)), (broken, (jnp.zeros(3),)), (make("b"), (jnp.zeros(3),))]
+    results = timing.time_interleaved(jobs, iters=3, warmup=2, pipelined=pipelined)
+    (ta, out_a), (tb, out_b), (tc, out_c) = results
+    assert isinstance(tb, ValueError) and out_b is None
+    per_batch = 3 if pipelined else 1
+    assert len(ta) == len(tc) == 3 and all(t > 0 for t in ta + tc)
+    # Warmups a a b b, then rounds: a b | b a | a b, each a batch of per_batch calls.
+    rounds = ["a", "b", "b", "a", "a", "b"]
+    assert log == ["a", "a", "b", "b"] + [n for n in rounds for _ in range(per_batch)]
+    assert float(out_c[0]) == len(log)
+
+
 def test_smoke_renders_as_markdown(smoke):
     """A run's own JSON goes through the report: one table row per result row, the failing
     cuDNN rows with their error; the headline falls back to the cases the run has."""
