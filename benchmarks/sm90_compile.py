@@ -1,5 +1,6 @@
 """The kernels compiled for an H200 on a machine without a GPU: what ptxas says of each Mosaic
-kernel (registers, stack, spills) and the seconds of tracing, lowering and compiling.
+kernel (registers, stack, spills), the seconds of tracing, lowering and compiling, and each
+Mosaic kernel's layout inference (seconds, and the assignments its solver had to guess).
 
 Interpret mode proves the math and the GPU the speed; between them, this answers without a GPU
 whether a kernel still lowers and compiles for sm_90, whether a change made ptxas spill, and
@@ -36,11 +37,13 @@ GPU; here there is none, so the child answers for it (`_as_sm90`).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -153,10 +156,48 @@ def _as_sm90() -> None:
     attention._capability = lambda: "9.0"
 
 
-def child(case: dict, backend: str, dtype_name: str) -> dict:
-    """Traces, lowers and compiles one case for the H200 in this process; returns the times."""
-    import time
+@contextlib.contextmanager
+def layout_inference_watch():
+    """Yields a list that gains {"kernel", "seconds", "guesses"} for each Mosaic GPU module
+    lowered inside the block: the seconds of its layout inference, and the assignments the
+    solver tried where reducing the kernel's constraints left layouts open (each one reduces
+    the whole system again). Most of a fresh process's lowering time is this inference
+    (docs/performance.md, "Cold start"). It wraps two private functions of Mosaic GPU's
+    layout inference; where they are gone, the list stays empty."""
+    try:
+        from jax.experimental.mosaic.gpu import layout_inference as li
+        infer, conjure = li.infer_layout, li.conjure_assignment
+    except (ImportError, AttributeError):
+        yield []
+        return
+    records, tried = [], [0]
 
+    def conjure_counted(*args, **kwargs):
+        for assignment in conjure(*args, **kwargs):
+            tried[0] += 1
+            yield assignment
+
+    def infer_timed(module, *args, **kwargs):
+        tried[0] = 0
+        start = time.perf_counter()
+        result = infer(module, *args, **kwargs)
+        seconds = time.perf_counter() - start
+        name = module.operation.attributes["sym_name"] if "sym_name" in \
+            module.operation.attributes else "?"
+        records.append({"kernel": str(name).strip('"'), "seconds": seconds,
+                        "guesses": tried[0]})
+        return result
+
+    li.infer_layout, li.conjure_assignment = infer_timed, conjure_counted
+    try:
+        yield records
+    finally:
+        li.infer_layout, li.conjure_assignment = infer, conjure
+
+
+def child(case: dict, backend: str, dtype_name: str) -> dict:
+    """Traces, lowers and compiles one case for the H200 in this process; returns the times
+    and, per Mosaic kernel, its layout inference (`layout_inference_watch`)."""
     import jax
     import jax.numpy as jnp
     from jax.experimental import topologies
@@ -199,7 +240,7 @@ def child(case: dict, backend: str, dtype_name: str) -> dict:
     mesh = jax.sharding.AbstractMesh((1,), ("x",), axis_types=(AxisType.Auto,),
                                      abstract_device=device)
     times = {}
-    with jax.sharding.use_abstract_mesh(mesh):
+    with jax.sharding.use_abstract_mesh(mesh), layout_inference_watch() as inference:
         t0 = time.perf_counter()
         traced = jax.jit(fn).trace(*args)
         t1 = time.perf_counter()
@@ -207,7 +248,8 @@ def child(case: dict, backend: str, dtype_name: str) -> dict:
         t2 = time.perf_counter()
     lowered.compile()
     t3 = time.perf_counter()
-    times.update(trace_s=t1 - t0, lower_s=t2 - t1, compile_s=t3 - t2)
+    times.update(trace_s=t1 - t0, lower_s=t2 - t1, compile_s=t3 - t2,
+                 layout_inference=inference)
     return times
 
 
@@ -250,6 +292,9 @@ def format_row(row: dict) -> str:
         lines.append(f"  {k['kernel']:<34} {k.get('registers', '?'):>4} registers, "
                      f"stack {k.get('stack', '?')} B, spills {k.get('spill_stores', '?')} B "
                      f"stored / {k.get('spill_loads', '?')} B loaded")
+    for k in row.get("layout_inference", []):
+        lines.append(f"  layout inference of {k['kernel']}: {k['seconds']:.2f} s, "
+                     f"{k['guesses']} guesses")
     return "\n".join(lines)
 
 

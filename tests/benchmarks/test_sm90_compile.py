@@ -73,6 +73,34 @@ def test_format_row(sm90):
     assert error.endswith("error: RuntimeError: no cuda plugin")
 
 
+def test_layout_inference_watch(sm90):
+    """Lowering a Mosaic GPU kernel for cuda (no GPU needed) inside the watch records its
+    layout inference under the kernel's name; the solver's functions are restored after."""
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental.mosaic.gpu import layout_inference
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    def body(x_ref, o_ref):
+        o_ref[...] = x_ref[...] + 1.0
+
+    kernel = plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((128,), jnp.float32),
+                          kernel_name="watched")
+    before = layout_inference.infer_layout
+    with sm90.layout_inference_watch() as records:
+        jax.jit(kernel).trace(jnp.zeros((128,), jnp.float32)).lower(
+            lowering_platforms=("cuda",))
+    assert [r["kernel"] for r in records] == ["watched"]
+    assert records[0]["seconds"] > 0 and records[0]["guesses"] >= 0
+    assert layout_inference.infer_layout is before
+    row = {"case": "decode:1x4kx32x8x128:1", "backend": "mosaic", "dtype": "bfloat16",
+           "trace_s": 0.1, "lower_s": 0.6, "compile_s": 0.6, "kernels": [],
+           "layout_inference": [{"kernel": "pallas_flash_decode_mosaic", "seconds": 0.25,
+                                 "guesses": 17}]}
+    assert "layout inference of pallas_flash_decode_mosaic: 0.25 s, 17 guesses" in \
+        sm90.format_row(row)
+
+
 def test_table(sm90):
     fused = sm90.parse_ptxas(REPORT)
     two = [dict(fused[0]), {"kernel": "pallas_flash_mosaic_bwd_dq", "registers": 232,
