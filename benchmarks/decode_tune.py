@@ -15,11 +15,13 @@ cycling over copies of the cache that outgrow the L2 cache together, divided by 
 median of 3 batches of --iters programs (`pallas_flash.bench.decode.repeated`: every call takes
 its own query argument, so that XLA cannot merge equal calls). A case's programs are compiled
 ahead by --workers threads, with a compilation cache directory, so that the Mosaic lowering
-cache lowers each kernel once. A row gives microseconds per call and the K/V bytes read over
-that time against the copy bandwidth of the same run. A pair the kernel refuses (shared memory,
-block_kv against the chunk) is a row with the reason. Rows print as they complete and the
-JSON (<out>/decode_tune.json) is rewritten after each, so a run cut by its time limit keeps what
-it measured. docs/tuning.md ("Mosaic decode") says which defaults the numbers chose.
+cache lowers each kernel once, and timed together: each of the three rounds times one batch of
+every program of the case in turn (`pallas_flash.bench.timing.time_interleaved`), so that the
+pairs compared run under the same conditions. A row gives microseconds per call and the K/V
+bytes read over that time against the copy bandwidth of the same run. A pair the kernel
+refuses (shared memory, block_kv against the chunk) is a row with the reason. A case's rows
+print once its rounds end and the JSON (<out>/decode_tune.json) is rewritten after each, so a
+run cut by its time limit keeps the cases it finished. docs/tuning.md ("Mosaic decode") says which defaults the numbers chose.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ import jax.numpy as jnp  # noqa: E402
 from pallas_flash import decode  # noqa: E402
 from pallas_flash.bench import decode as bench_decode  # noqa: E402
 from pallas_flash.bench.report import git_commit  # noqa: E402
-from pallas_flash.bench.timing import default_warm_s, time_calls  # noqa: E402
+from pallas_flash.bench.timing import default_warm_s, time_interleaved  # noqa: E402
 from pallas_flash.mosaic import decode as mosaic_decode  # noqa: E402
 
 
@@ -161,20 +163,21 @@ def main(argv=None):
                     jobs[len(pairs) - 1, name] = (bench_decode.repeated(fn, calls),
                                                   ((q,) * calls, caches, lengths))
         compiled = bench_decode.compile_all(jobs, args.workers)
+        # Every program of the case timed in the same rounds, so that the pairs compared share
+        # the GPU's state (`timing.time_interleaved`); one that failed to compile is its error.
+        keys = list(jobs)
+        timed = dict(zip(keys, time_interleaved(
+            [(compiled[key], jobs[key][1]) for key in keys], args.iters, 2, pipelined=True,
+            warm_s=default_warm_s())))
         for index, base, q, fns in pairs:
             if isinstance(fns, str):
                 emit(**base, error=fns)
                 continue
             row = dict(base)
             for name in ("call", "partial"):
-                try:
-                    fn = compiled[index, name]
-                    if isinstance(fn, Exception):
-                        raise fn
-                    times, _ = time_calls(fn, jobs[index, name][1], args.iters, 2,
-                                          pipelined=True,
-                                          warm_s=default_warm_s())
-                except Exception as e:  # noqa: BLE001 - a failing pair is a result row
+                times, _ = timed[index, name]
+                if isinstance(times, Exception):  # a failing pair is a result row
+                    e = times
                     row[f"{name}_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
                     continue
                 t = statistics.median(times) / calls

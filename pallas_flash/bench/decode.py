@@ -337,12 +337,6 @@ def _fields(result: tuple[Any, Any], calls: int) -> tuple[dict, Any]:
             "ms": statistics.median(times) * 1e3}, out
 
 
-def _raiser(error: Exception) -> Callable:
-    def fn(*args):
-        raise error
-    return fn
-
-
 def run_group(group: Group, impls: list[str], opts, copy_gbps: float, key) -> dict:
     """Every case of one cache shape: all q_heads and q_lens, each implementation on the
     contiguous cache and (ours) the paged one, a case's rows timed together in interleaved
@@ -413,9 +407,8 @@ def run_group(group: Group, impls: list[str], opts, copy_gbps: float, key) -> di
         jobs = []
         for name, layout in order:
             caches, table = layouts[layout]
-            fn = compiled[hq, q_len, layout, name]
-            # A program that failed to compile raises in its first call, as the row's result.
-            jobs.append((_raiser(fn) if isinstance(fn, Exception) else fn,
+            # A program that failed to compile is its exception: the row's result.
+            jobs.append((compiled[hq, q_len, layout, name],
                          ((queries[hq, q_len],) * calls, caches, lengths, table)))
         results = time_interleaved(jobs, opts.iters, opts.warmup, opts.pipelined, warm_s)
         for (name, layout), result in zip(order, results):

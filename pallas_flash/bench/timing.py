@@ -65,7 +65,8 @@ def time_calls(f, args, iters: int, warmup: int, pipelined: bool = False,
 def time_interleaved(jobs: list[tuple[Any, tuple]], iters: int, warmup: int,
                      pipelined: bool = False, warm_s: float = 0.0) -> list[tuple[Any, Any]]:
     """time_calls for several functions at once, (times, last result) per (f, args) of jobs,
-    or (the exception, None) for one that raised: the same batches, but interleaved. Every
+    or (the exception, None) for one that raised or whose f is an exception (a program that
+    failed to compile): the same batches, but interleaved. Every
     function takes its warmup calls first, then the first one runs back to back for warm_s
     seconds, and each of three rounds times one batch of every function in turn (pipelined:
     `iters` back-to-back calls; else iters / 3 calls, each timed alone), in an order reversed
@@ -80,6 +81,8 @@ def time_interleaved(jobs: list[tuple[Any, tuple]], iters: int, warmup: int,
     live = []
     for i, (f, args) in enumerate(jobs):
         try:
+            if isinstance(f, Exception):
+                raise f
             results[i] = ([], _warm(f, args, warmup, 0.0))
             live.append(i)
         except Exception as e:  # noqa: BLE001 - the job's result

@@ -302,8 +302,8 @@ def test_timer_calls_and_times(pipelined):
 @pytest.mark.parametrize("pipelined", [False, True])
 def test_interleaved_timer_alternates_and_keeps_failures(pipelined):
     """Each function's warmup calls first; then rounds that time one batch of every function
-    in turn, the order reversed each round; a function that raises is that job's result and
-    the others are timed as if it were not there."""
+    in turn, the order reversed each round; a function that raises, or an exception in place of
+    one, is that job's result and the others are timed as if it were not there."""
     log = []
 
     def make(name):
@@ -315,10 +315,13 @@ def test_interleaved_timer_alternates_and_keeps_failures(pipelined):
     def broken(x):
         raise ValueError("no kernel for this case")
 
-    jobs = [(make("a"), (jnp.zeros(3),)), (broken, (jnp.zeros(3),)), (make("b"), (jnp.zeros(3),))]
+    uncompiled = RuntimeError("failed to compile")
+    jobs = [(make("a"), (jnp.zeros(3),)), (broken, (jnp.zeros(3),)), (make("b"), (jnp.zeros(3),)),
+            (uncompiled, (jnp.zeros(3),))]
     results = timing.time_interleaved(jobs, iters=3, warmup=2, pipelined=pipelined)
-    (ta, out_a), (tb, out_b), (tc, out_c) = results
+    (ta, out_a), (tb, out_b), (tc, out_c), (td, out_d) = results
     assert isinstance(tb, ValueError) and out_b is None
+    assert td is uncompiled and out_d is None
     per_batch = 3 if pipelined else 1
     assert len(ta) == len(tc) == 3 and all(t > 0 for t in ta + tc)
     # Warmups a a b b, then rounds: a b | b a | a b, each a batch of per_batch calls.
