@@ -21,7 +21,8 @@ pairs compared run under the same conditions. A row gives microseconds per call 
 bytes read over that time against the copy bandwidth of the same run. A pair the kernel
 refuses (shared memory, block_kv against the chunk) is a row with the reason. A case's rows
 print once its rounds end and the JSON (<out>/decode_tune.json) is rewritten after each, so a
-run cut by its time limit keeps the cases it finished. docs/tuning.md ("Mosaic decode") says which defaults the numbers chose.
+run cut by its time limit keeps the cases it finished. docs/tuning.md ("Mosaic decode") says
+which defaults the numbers chose.
 """
 
 from __future__ import annotations
@@ -177,8 +178,8 @@ def main(argv=None):
             for name in ("call", "partial"):
                 times, _ = timed[index, name]
                 if isinstance(times, Exception):  # a failing pair is a result row
-                    e = times
-                    row[f"{name}_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+                    row[f"{name}_error"] = (f"{type(times).__name__}: "
+                                            f"{str(times).splitlines()[0][:200]}")
                     continue
                 t = statistics.median(times) / calls
                 row[f"{name}_us"] = round(t * 1e6, 2)

@@ -49,6 +49,10 @@ def default_warm_s() -> float:
     return WARM_S_GPU if jax.default_backend() == "gpu" else 0.0
 
 
+# Timed batches of a pipelined measurement (rounds of time_interleaved).
+ROUNDS = 3
+
+
 def time_calls(f, args, iters: int, warmup: int, pipelined: bool = False,
                warm_s: float = 0.0) -> tuple[list[float], Any]:
     """Per-call wall times in seconds (after warmup) and the last result; pipelined: the
@@ -74,8 +78,8 @@ def time_interleaved(jobs: list[tuple[Any, tuple]], iters: int, warmup: int,
 
     Why: rows compared with one another (two backends, two cache layouts, a comparator) are
     then timed under the same conditions. Timed one after another, a millisecond program's
-    rows depend on the clock the GPU happens to run at while each is timed, which the
-    batches of one row share: two rows of one kernel have differed by a third, each steady.
+    rows depend on the state the GPU happens to be in while each is timed, a difference the
+    batches of one row share, so that it never shows as their spread.
     """
     results: list[tuple[Any, Any]] = [(None, None)] * len(jobs)
     live = []
@@ -101,10 +105,6 @@ def time_interleaved(jobs: list[tuple[Any, tuple]], iters: int, warmup: int,
             except Exception as e:  # noqa: BLE001 - the job's result
                 results[i] = (e, None)
     return results
-
-
-# Timed batches of a pipelined measurement (rounds of time_interleaved).
-ROUNDS = 3
 
 
 def _warm(f, args, warmup: int, warm_s: float):
