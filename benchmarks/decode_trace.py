@@ -31,13 +31,14 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from ring_trace import STREAM_PREFIX, find_trace, load_events, track_names  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 import pallas_flash as pf  # noqa: E402
 from pallas_flash.bench.decode import calls_and_copies, repeated  # noqa: E402
+from pallas_flash.bench.trace import (  # noqa: E402
+    find_trace, load_events, span_us, stream_kernels)
 
 BACKENDS = ("auto", "mosaic", "triton", "xla")
 
@@ -53,22 +54,12 @@ def parse_case(text: str) -> tuple[str, int, int, int]:
     return backend, int(batch), context, int(q_len)
 
 
-def stream_kernels(events: list[dict]) -> list[dict]:
-    """The complete ("X") events on GPU stream tracks, in start order."""
-    threads = track_names(events, "thread_name")
-    kernels = [e for e in events if e.get("ph") == "X" and "dur" in e
-               and threads.get((e["pid"], e.get("tid")), "").startswith(STREAM_PREFIX)]
-    return sorted(kernels, key=lambda e: float(e["ts"]))
-
-
 def breakdown(events: list[dict], calls: int) -> dict:
     """{"per_call_us": span of the stream kernels / calls, "kernels": [{"name", "count",
     "mean_us", "per_call_us"}] by total time}; per_call_us is None without stream kernels."""
     kernels = stream_kernels(events)
     if not kernels:
         return {"per_call_us": None, "kernels": []}
-    start = float(kernels[0]["ts"])
-    end = max(float(e["ts"]) + float(e["dur"]) for e in kernels)
     total, count = collections.defaultdict(float), collections.Counter()
     for e in kernels:
         total[e["name"]] += float(e["dur"])
@@ -76,7 +67,7 @@ def breakdown(events: list[dict], calls: int) -> dict:
     rows = [{"name": name, "count": count[name], "mean_us": total[name] / count[name],
              "per_call_us": total[name] / calls}
             for name in sorted(total, key=total.get, reverse=True)]
-    return {"per_call_us": (end - start) / calls, "kernels": rows}
+    return {"per_call_us": span_us(kernels) / calls, "kernels": rows}
 
 
 def _attend(backend: str):

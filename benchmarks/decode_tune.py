@@ -17,8 +17,11 @@ its own query argument, so that XLA cannot merge equal calls). A case's programs
 ahead by --workers threads, with a compilation cache directory, so that the Mosaic lowering
 cache lowers each kernel once, and timed together: each of the three rounds times one batch of
 every program of the case in turn (`pallas_flash.bench.timing.time_interleaved`), so that the
-pairs compared run under the same conditions. A row gives microseconds per call and the K/V
-bytes read over that time against the copy bandwidth of the same run. A pair the kernel
+pairs compared run under the same conditions. On a GPU each program then runs once a round more
+under a profiler trace (`pallas_flash.bench.trace.device_times`). A row gives microseconds per
+call (the GPU's time, the span of a program's kernels, where the trace tells it; else the wall
+clock's; `*_wall_us` is always the wall clock's) and the K/V bytes read over that time against
+the copy bandwidth of the same run. A pair the kernel
 refuses (shared memory, block_kv against the chunk) is a row with the reason. A case's rows
 print once its rounds end and the JSON (<out>/decode_tune.json) is rewritten after each, so a
 run cut by its time limit keeps the cases it finished. docs/tuning.md ("Mosaic decode") says
@@ -47,6 +50,7 @@ from pallas_flash import decode  # noqa: E402
 from pallas_flash.bench import decode as bench_decode  # noqa: E402
 from pallas_flash.bench.report import git_commit  # noqa: E402
 from pallas_flash.bench.timing import default_warm_s, time_interleaved  # noqa: E402
+from pallas_flash.bench.trace import device_times  # noqa: E402
 from pallas_flash.mosaic import decode as mosaic_decode  # noqa: E402
 
 
@@ -170,6 +174,10 @@ def main(argv=None):
         timed = dict(zip(keys, time_interleaved(
             [(compiled[key], jobs[key][1]) for key in keys], args.iters, 2, pipelined=True,
             warm_s=default_warm_s())))
+        # The programs that ran, timed again on the GPU's clock (`trace.device_times`): at
+        # batch 1 and short contexts the wall clock times the host's dispatch.
+        ran = [key for key in keys if not isinstance(timed[key][0], Exception)]
+        gpu = dict(zip(ran, device_times([(compiled[key], jobs[key][1]) for key in ran])))
         for index, base, q, fns in pairs:
             if isinstance(fns, str):
                 emit(**base, error=fns)
@@ -181,8 +189,10 @@ def main(argv=None):
                     row[f"{name}_error"] = (f"{type(times).__name__}: "
                                             f"{str(times).splitlines()[0][:200]}")
                     continue
-                t = statistics.median(times) / calls
+                wall = statistics.median(times) / calls
+                t = statistics.median(gpu[index, name]) / calls if gpu.get((index, name)) else wall
                 row[f"{name}_us"] = round(t * 1e6, 2)
+                row[f"{name}_wall_us"] = round(wall * 1e6, 2)
                 row[f"{name}_pct_of_copy"] = round(100 * kv_bytes / t / 1e9 / copy_gbps, 1)
             emit(**row)
     return record

@@ -24,8 +24,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import glob
-import gzip
 import json
 import os
 import re
@@ -44,23 +42,17 @@ import scaling  # noqa: E402
 
 import jax  # noqa: E402
 
+from pallas_flash.bench.trace import (  # noqa: E402
+    STREAM_PREFIX, find_trace, load_events, track_names)
+
 KERNEL_PATTERN = r"^pallas_flash"
 # NCCL's kernels on a GPU; XLA:CPU's ppermute thunks on a host.
 TRANSFER_PATTERN = r"^nccl|^ppermute|^collective-permute"
-STREAM_PREFIX = "Stream"
 
 
 # ================================================================================================
 # Reading a trace
 # ================================================================================================
-
-
-def load_events(path: str) -> list[dict]:
-    """The trace events of a Chrome / Perfetto JSON trace file (gzipped or not)."""
-    opener = gzip.open if path.endswith(".gz") else open
-    with opener(path, "rt") as f:
-        data = json.load(f)
-    return data["traceEvents"] if isinstance(data, dict) else data
 
 
 def union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -90,13 +82,6 @@ def intersect(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> flo
         else:
             j += 1
     return total
-
-
-def track_names(events: list[dict], kind: str) -> dict:
-    """The names a trace's metadata events give: kind "process_name" maps pid -> name,
-    "thread_name" maps (pid, tid) -> name."""
-    return {(e["pid"] if kind == "process_name" else (e["pid"], e.get("tid"))): e["args"]["name"]
-            for e in events if e.get("ph") == "M" and e.get("name") == kind}
 
 
 def overlap_report(events: list[dict], kernel_pattern: str = KERNEL_PATTERN,
@@ -138,15 +123,6 @@ def overlap_report(events: list[dict], kernel_pattern: str = KERNEL_PATTERN,
             "overlap": covered / moved if moved else None,
         })
     return rows
-
-
-def find_trace(log_dir: str) -> str:
-    """The Perfetto trace `jax.profiler.trace(log_dir, create_perfetto_trace=True)` wrote."""
-    found = sorted(glob.glob(os.path.join(log_dir, "**", "perfetto_trace.json.gz"),
-                             recursive=True))
-    if not found:
-        raise FileNotFoundError(f"no perfetto_trace.json.gz under {log_dir}")
-    return found[-1]
 
 
 # ================================================================================================

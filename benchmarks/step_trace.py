@@ -32,7 +32,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decode_trace import add_run_arguments, breakdown, run_cases  # noqa: E402
-from ring_trace import find_trace, load_events  # noqa: E402
+from pallas_flash.bench.trace import find_trace, load_events  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

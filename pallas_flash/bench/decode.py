@@ -47,6 +47,7 @@ from pallas_flash.bench.accuracy import rel_err
 from pallas_flash.bench.cases import parse_seq, seq_label
 from pallas_flash.bench.impls import NotApplicable, import_tokamax, short_error
 from pallas_flash.bench.timing import default_warm_s, time_calls, time_interleaved
+from pallas_flash.bench.trace import device_times
 
 # The matrix of the issue: every combination of these, q_len 1 and 4, both cache layouts.
 BATCHES = (1, 4, 16, 64)
@@ -319,9 +320,15 @@ def compile_all(jobs: dict, workers: int) -> dict:
         return dict(zip(jobs, pool.map(one, jobs.values())))
 
 
-def _fields(result: tuple[Any, Any], calls: int) -> tuple[dict, Any]:
+def _fields(result: tuple[Any, Any], calls: int,
+            gpu_times: list[float] | None = None) -> tuple[dict, Any]:
     """Row fields (the time of one call) and the output of the last call, from one job's
-    (times of a program, or the exception it raised; its last output)."""
+    (wall times of a program, or the exception it raised; its last output) and its programs'
+    GPU times from a trace (`trace.device_times`), if measured.
+
+    "ms" is the GPU time where there is one, else the wall time ("timer" says which): at batch
+    1 and short contexts the host's dispatch of a program takes as long as the GPU's run of it,
+    and the wall clock then times the host."""
     times, outs = result
     try:
         if isinstance(times, Exception):
@@ -333,8 +340,13 @@ def _fields(result: tuple[Any, Any], calls: int) -> tuple[dict, Any]:
         return {"status": "n.a.", "error": short_error(e)}, None
     except Exception as e:  # noqa: BLE001 - any failure is a result
         return {"status": "error", "error": short_error(e)}, None
-    return {"status": "ok", "error": None, "times_ms": [t * 1e3 for t in times],
-            "ms": statistics.median(times) * 1e3}, out
+    wall = statistics.median(times) * 1e3
+    fields = {"status": "ok", "error": None, "times_ms": [t * 1e3 for t in times],
+              "wall_ms": wall, "gpu_times_ms": None, "timer": "wall", "ms": wall}
+    if gpu_times:
+        gpu = [t / calls * 1e3 for t in gpu_times]
+        fields.update(gpu_times_ms=gpu, timer="gpu", ms=statistics.median(gpu))
+    return fields, out
 
 
 def run_group(group: Group, impls: list[str], opts, copy_gbps: float, key) -> dict:
@@ -343,7 +355,8 @@ def run_group(group: Group, impls: list[str], opts, copy_gbps: float, key) -> di
     rounds (`timing.time_interleaved`), their order reversed from one case to the next, so
     that neither a layout nor an implementation is always timed first. The group's first case
     is timed after GROUP_WARM_S of calls (later ones after timing.WARM_S_GPU): the GPU sat idle
-    while the group compiled.
+    while the group compiled. On a GPU, each program then runs once a round more under a
+    profiler trace, whose kernels' span is the row's time (`_fields`, `trace.device_times`).
 
     Returns {"rows": [...], "compile_s", "seconds"}."""
     start = time.perf_counter()
@@ -374,8 +387,8 @@ def run_group(group: Group, impls: list[str], opts, copy_gbps: float, key) -> di
                for i, case in enumerate(cases)}
     rows, outputs = [], {}
 
-    def record(hq, q_len, layout, name, result, ref):
-        fields, out = _fields(result, calls)
+    def record(hq, q_len, layout, name, result, ref, gpu_times):
+        fields, out = _fields(result, calls, gpu_times)
         row = {"batch": b, "context": c, "q_len": q_len, "q_heads": hq, "kv_heads": hkv,
                "head_dim": d, "layout": layout,
                "page_size": opts.page_size if layout == "paged" else None,
@@ -411,8 +424,11 @@ def run_group(group: Group, impls: list[str], opts, copy_gbps: float, key) -> di
             jobs.append((compiled[hq, q_len, layout, name],
                          ((queries[hq, q_len],) * calls, caches, lengths, table)))
         results = time_interleaved(jobs, opts.iters, opts.warmup, opts.pipelined, warm_s)
-        for (name, layout), result in zip(order, results):
-            record(hq, q_len, layout, name, result, refs[hq, q_len])
+        # The programs that ran, timed again on the GPU's own clock (`_fields`).
+        ran = [i for i, (times, _) in enumerate(results) if not isinstance(times, Exception)]
+        gpu = dict(zip(ran, device_times([jobs[i] for i in ran])))
+        for i, ((name, layout), result) in enumerate(zip(order, results)):
+            record(hq, q_len, layout, name, result, refs[hq, q_len], gpu.get(i))
         warm_s = default_warm_s()
     add_comparisons(rows, outputs)
     return {"rows": rows, "compile_s": compile_s, "seconds": time.perf_counter() - start}
@@ -441,7 +457,8 @@ def progress(row: dict) -> str:
         return f"{row['status']}: {row['error']}"
     frac = row["frac_of_copy"]
     return (f"{row['ms'] * 1e3:.1f} us, {row['gbps']:.4g} GB/s"
-            + (f" ({100 * frac:.0f}% of copy)" if frac else ""))
+            + (f" ({100 * frac:.0f}% of copy)" if frac else "")
+            + (f", wall {row['wall_ms'] * 1e3:.1f} us" if row.get("timer") == "gpu" else ""))
 
 
 # --------------------------------------------------------------------------

@@ -490,6 +490,9 @@ def markdown_cold_start(sources: list[tuple[str, dict]]) -> str:
 # --------------------------------------------------------------------------
 
 _DECODE_LABEL = {"xla": "XLA", "cudnn": "cuDNN", "tokamax": "tokamax"}
+# A decode row's wall-clock time over its GPU time above which the report says the host set
+# the pace.
+HOST_BOUND = 1.1
 # Targets of the decode kernels, as (label, predicate on our contiguous/paged row, threshold).
 _DECODE_TARGETS = (
     ("at least 80% of the copy bandwidth at contexts of 16k and more",
@@ -565,6 +568,14 @@ def decode_table(section: dict) -> tuple[list[str], list[list[str]], list[str]]:
         within = sum((r.get("paged_over_contiguous") or 9) <= 1.05 for r in paged)
         notes.append(f"pallas_flash paged within 5% of contiguous: {within} of {len(paged)} "
                      "cases")
+    host = [r for r in ours_by_layout["contiguous"] if r.get("timer") == "gpu"
+            and r["status"] == "ok" and r["wall_ms"] > HOST_BOUND * r["ms"]]
+    if host:
+        notes.append(f"pallas_flash's wall-clock time over its GPU time above {HOST_BOUND} "
+                     "(the host's dispatch, not the GPU, set the pace) in "
+                     + ", ".join(f"{r['batch']} × {seq_label(r['context'])} q_len {r['q_len']} "
+                                 f"({r['wall_ms'] * 1e3:.1f} against {r['ms'] * 1e3:.1f} µs)"
+                                 for r in host))
     if section.get("skipped"):
         notes.append(f"not run (time budget): {len(section['skipped'])} cache shapes, from "
                      + ", ".join(f"{g['batch']} × {seq_label(g['context'])}"
@@ -600,8 +611,15 @@ def markdown_decode(sources: list[tuple[str, dict]]) -> str:
         lines += [f"Source: {_source_line(path, meta, False)[:-1]}, {timer}.", "",
                   f"Measured in the same run: {_copy_line(section)}. Every sequence holds its "
                   "whole context (kv_lengths = context); its q_len newest tokens attend "
-                  "bottom-right. µs: one call (timed in programs of up to 64 calls over "
-                  "copies of the cache that outgrow the L2 cache). % of copy: the K/V bytes "
+                  "bottom-right. µs: one call, timed in programs of up to 64 chained calls "
+                  "over copies of the cache that outgrow the L2 cache"
+                  + ("; the GPU's time, from a profiler trace (the span of a program's kernels "
+                     "over its calls, median of 3 programs), not the wall clock, which at "
+                     "batch 1 and short contexts times the host's dispatch"
+                     if any(r.get("timer") == "gpu" for r in section["rows"])
+                     else "; wall-clock time, which at batch 1 and short contexts can be the "
+                     "host's dispatch of the program rather than the GPU's run of it")
+                  + ". % of copy: the K/V bytes "
                   "read (batch · context · kv heads · head_dim · 2 tensors · bytes per element) "
                   "over the time, against the copy bandwidth. Paged: pages of "
                   f"{section['page_size']} keys in a shuffled "

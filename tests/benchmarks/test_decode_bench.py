@@ -62,6 +62,15 @@ def test_smoke_run_rows_and_bandwidth(smoke):
             assert (r["batch"], r["context"], r["q_heads"], r["kv_heads"]) == (b, ctx, hq, hkv)
             assert r["kv_bytes"] == b * ctx * hkv * d * 2 * 2  # bf16 K and V
             assert r["gbps"] == pytest.approx(r["kv_bytes"] / r["ms"] / 1e6)
+            # On a GPU the row's time is its programs' GPU time from a trace; elsewhere, and
+            # where the trace cannot tell it, the wall clock's.
+            if r["timer"] == "gpu":
+                assert len(r["gpu_times_ms"]) == 3
+                assert r["ms"] == pytest.approx(float(np.median(r["gpu_times_ms"])))
+            else:
+                assert not ON_GPU and r["gpu_times_ms"] is None
+                assert r["ms"] == r["wall_ms"] == pytest.approx(
+                    float(np.median(r["times_ms"])))
             assert r["frac_of_copy"] == pytest.approx(r["gbps"] / copy["gbps"])
             assert r["err_vs_ref"] < 2e-2
             # On a CPU two calls over two copies; on a GPU, as many as a real run makes.
@@ -298,3 +307,16 @@ def test_rows_alternate_layouts_and_reverse_from_case_to_case(smoke):
     assert first[:2] == [("pallas_flash", "contiguous"), ("pallas_flash", "paged")]
     assert second == first[::-1]
     assert [r["q_len"] for r in rows] == [1] * len(first) + [4] * len(second)
+
+
+def test_decode_table_says_where_the_host_set_the_pace():
+    gpu = {"timer": "gpu"}
+    rows = [_row("pallas_flash", "contiguous", 1, 1, 4096, 0.0105, wall_ms=0.0178, **gpu),
+            _row("pallas_flash", "contiguous", 4, 1, 4096, 0.0140, wall_ms=0.0150, **gpu),
+            _row("pallas_flash", "contiguous", 1, 1, 16384, 0.0282, wall_ms=0.0400,
+                 timer="wall")]
+    section = {"rows": rows, "copy": {"gbps": 4000.0, "what": "x + 1", "bytes": 1, "ms": 1.0}}
+    _, _, notes = report.decode_table(section)
+    (note,) = [n for n in notes if "wall-clock" in n]
+    # Only the first row: the second is within HOST_BOUND, the third has no GPU time.
+    assert note.endswith("in 1 × 4k q_len 1 (17.8 against 10.5 µs)")
