@@ -19,8 +19,9 @@ cache lowers each kernel once, and timed together: each of the three rounds time
 every program of the case in turn (`pallas_flash.bench.timing.time_interleaved`), so that the
 pairs compared run under the same conditions. On a GPU each program then runs once a round more
 under a profiler trace (`pallas_flash.bench.trace.device_times`). A row gives microseconds per
-call (the GPU's time, the span of a program's kernels, where the trace tells it; else the wall
-clock's; `*_wall_us` is always the wall clock's) and the K/V bytes read over that time against
+call (the smaller of the wall clock's and the GPU's time, the span of a program's kernels in
+the trace, where it tells it: each bounds the GPU's own time from above; `*_wall_us` is the
+wall clock's) and the K/V bytes read over that time against
 the copy bandwidth of the same run. A pair the kernel
 refuses (shared memory, block_kv against the chunk) is a row with the reason. A case's rows
 print once its rounds end and the JSON (<out>/decode_tune.json) is rewritten after each, so a
@@ -190,7 +191,8 @@ def main(argv=None):
                                             f"{str(times).splitlines()[0][:200]}")
                     continue
                 wall = statistics.median(times) / calls
-                t = statistics.median(gpu[index, name]) / calls if gpu.get((index, name)) else wall
+                t = min(wall, statistics.median(gpu[index, name]) / calls
+                        if gpu.get((index, name)) else wall)
                 row[f"{name}_us"] = round(t * 1e6, 2)
                 row[f"{name}_wall_us"] = round(wall * 1e6, 2)
                 row[f"{name}_pct_of_copy"] = round(100 * kv_bytes / t / 1e9 / copy_gbps, 1)

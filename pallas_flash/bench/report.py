@@ -613,9 +613,11 @@ def markdown_decode(sources: list[tuple[str, dict]]) -> str:
                   "whole context (kv_lengths = context); its q_len newest tokens attend "
                   "bottom-right. µs: one call, timed in programs of up to 64 chained calls "
                   "over copies of the cache that outgrow the L2 cache"
-                  + ("; the GPU's time, from a profiler trace (the span of a program's kernels "
-                     "over its calls, median of 3 programs), not the wall clock, which at "
-                     "batch 1 and short contexts times the host's dispatch"
+                  + ("; the smaller of the wall clock's time and the GPU's, read from a "
+                     "profiler trace (the span of a program's kernels over its calls, median "
+                     "of 3 programs): each bounds the GPU's own time from above, the wall clock "
+                     "where the host's dispatch sets the pace (at batch 1 and short contexts), "
+                     "the trace by the profiler's overhead"
                      if any(r.get("timer") == "gpu" for r in section["rows"])
                      else "; wall-clock time, which at batch 1 and short contexts can be the "
                      "host's dispatch of the program rather than the GPU's run of it")
