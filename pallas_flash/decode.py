@@ -334,13 +334,17 @@ def pack_queries(q, kv_heads: int):
     return q.reshape(batch, kv_heads, q_len * group, d)
 
 
-def unpack_rows(plan: DecodePlan, out, lse):
-    """Packed (O [batch, kv_heads, rows, d], lse [batch, kv_heads, rows]) -> out
-    [batch, q_len, q_heads, d] and lse [batch, q_heads, q_len]."""
+def unpack_out(plan: DecodePlan, out):
+    """Packed O [batch, kv_heads, rows, d] -> [batch, q_len, q_heads, d]."""
     b, h, t, g = plan.batch, plan.kv_heads, plan.q_len, plan.group
     out = out.reshape(b, h, t, g, plan.head_dim).transpose(0, 2, 1, 3, 4)
-    lse = lse.reshape(b, h, t, g).transpose(0, 1, 3, 2)
-    return out.reshape(b, t, plan.q_heads, plan.head_dim), lse.reshape(b, plan.q_heads, t)
+    return out.reshape(b, t, plan.q_heads, plan.head_dim)
+
+
+def unpack_lse(plan: DecodePlan, lse):
+    """Packed lse [batch, kv_heads, rows] -> [batch, q_heads, q_len]."""
+    b, h, t, g = plan.batch, plan.kv_heads, plan.q_len, plan.group
+    return lse.reshape(b, h, t, g).transpose(0, 1, 3, 2).reshape(b, plan.q_heads, t)
 
 
 def _no_derivative(primals, tangents):
@@ -375,12 +379,12 @@ def _decode_fn(plan: DecodePlan, backend: str, has_sinks: bool, tiles=None):
             if d_major:
                 out = jnp.swapaxes(out, -1, -2)[..., :plan.rows, :]
                 lse = lse[..., :plan.rows]
-            out = out.astype(out_dtype)
+            out = unpack_out(plan, out.astype(out_dtype))
         else:
             # The combine reads only num_splits * rows * head_dim floats per head: one Triton
-            # kernel serves every backend.
+            # kernel serves every backend. It writes O unpacked.
             out, lse = triton_decode.combine(plan, o_part, lse_part, out_dtype, d_major=d_major)
-        out, lse = unpack_rows(plan, out, lse)
+        lse = unpack_lse(plan, lse)
         if has_sinks:
             out, lse = apply_sinks(out, lse, sinks)
         return out.astype(plan.dtype), lse

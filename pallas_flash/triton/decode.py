@@ -282,10 +282,17 @@ def _combine_kernel(o_ref, lse_ref, out_ref, out_lse_ref, *, plan, split_block: 
     # would turn it into an empty row's -inf).
     empty = total == 0.0
     out = acc / jnp.where(empty, 1.0, total)
-    plgpu.store(out_ref.at[row, all_cols], out.astype(out_ref.dtype), mask=cols)
+    plgpu.store(out_ref.at[all_cols], out.astype(out_ref.dtype), mask=cols)
     lse = jnp.where(empty, -jnp.inf,
                     jnp.where(top == -jnp.inf, 0.0, top) + jnp.log(jnp.where(empty, 1.0, total)))
     plgpu.store(out_lse_ref.at[pl.ds(row, 1)], lse[None])
+
+
+def _query_row(b, i, *, rows: int, g: int):
+    """The output block (one row of head_dim) of the combine's program (b, i): packed row
+    r = i % rows of kv head h = i // rows is new token r // g, query head h * g + r % g."""
+    h, r = i // rows, i % rows
+    return b, r // g, h * g + r % g, 0
 
 
 # Splits merged per round of loads in the combine: 16 rows of O (8 KB at head_dim 128) stay in
@@ -295,14 +302,18 @@ COMBINE_SPLITS = 16
 
 
 def combine(plan, o_part, lse_part, out_dtype, d_major: bool = False):
-    """(O [batch, kv_heads, rows, head_dim] in out_dtype, lse float32 [batch, kv_heads, rows])
+    """(O [batch, q_len, q_heads, head_dim] in out_dtype, lse float32 [batch, kv_heads, rows])
     from the per-split partials; d_major: O^T partials [..., head_dim, n] and lse [..., n],
-    n >= rows (the Mosaic keys-as-M kernel's), read in place."""
+    n >= rows (the Mosaic keys-as-M kernel's), read in place.
+
+    O comes out in the caller's layout: packed row t * group + g of kv head h is query head
+    h * group + g of new token t, and each program writes its row there, so that no transpose
+    follows the kernel when q_len > 1. lse stays packed (it is needed only with return_lse)."""
     d_pad = common.padded_head_dim(plan.head_dim)
     split_block = min(COMBINE_SPLITS, pl.next_power_of_2(plan.num_splits))
     kernel = functools.partial(_combine_kernel, plan=plan, split_block=split_block, d_pad=d_pad,
                                d_major=d_major)
-    s, rows = plan.num_splits, plan.rows
+    s, rows, g = plan.num_splits, plan.rows, plan.group
     n = o_part.shape[-1] if d_major else rows
     o_block = (None, None, s, d_pad, n) if d_major else (None, None, s, rows, d_pad)
     return pl.pallas_call(
@@ -310,9 +321,9 @@ def combine(plan, o_part, lse_part, out_dtype, d_major: bool = False):
         grid=(plan.batch, plan.kv_heads * rows),
         in_specs=[pl.BlockSpec(o_block, lambda b, i: (b, i // rows, 0, 0, 0)),
                   pl.BlockSpec((None, None, s, n), lambda b, i: (b, i // rows, 0, 0))],
-        out_specs=[pl.BlockSpec((None, None, rows, d_pad), lambda b, i: (b, i // rows, 0, 0)),
+        out_specs=[pl.BlockSpec((None, None, None, d_pad), functools.partial(_query_row, rows=rows, g=g)),
                    pl.BlockSpec((None, None, rows), lambda b, i: (b, i // rows, 0))],
-        out_shape=[jax.ShapeDtypeStruct((plan.batch, plan.kv_heads, rows, plan.head_dim),
+        out_shape=[jax.ShapeDtypeStruct((plan.batch, plan.q_len, plan.q_heads, plan.head_dim),
                                         out_dtype),
                    jax.ShapeDtypeStruct((plan.batch, plan.kv_heads, rows), lse_part.dtype)],
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
