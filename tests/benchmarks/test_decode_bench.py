@@ -322,4 +322,4 @@ def test_decode_table_says_where_the_host_set_the_pace():
     _, _, notes = report.decode_table(section)
     (note,) = [n for n in notes if "wall-clock" in n]
     # Only the first row: the second is within HOST_BOUND, the third has no GPU time.
-    assert note.endswith("in 1 × 4k q_len 1 (17.8 against 10.5 µs)")
+    assert note.endswith("in 32:8 1 × 4k q_len 1 (17.8 against 10.5 µs)")
