@@ -98,7 +98,8 @@ def call_fns(q, k, v, lengths, num_splits, tiles):
         return whole(q, k, v, lengths, None, None)[0]
 
     def partial(q, k, v, lengths):
-        return mosaic_decode.partial(plan, decode.pack_queries(q, plan.kv_heads), k, v,
+        stride = mosaic_decode.token_stride(plan, tiles)
+        return mosaic_decode.partial(plan, decode.backend_queries(plan, q, stride), k, v,
                                      lengths, None, tiles=tiles)[0]
     return plan, ran, (full, partial)
 

@@ -142,14 +142,20 @@ def test_unseen_non_finite_values_are_confined(dtype, batch, q_len, q_heads, kv_
 @pytest.mark.skipif(ON_GPU, reason="the interpret-mode check is for machines without a GPU")
 # The interpreter's Q K^T (numpy) meets the NaN keys, which the mask then drops.
 @pytest.mark.filterwarnings("ignore:invalid value encountered in matmul:RuntimeWarning")
-@pytest.mark.parametrize("head_dim,num_splits", [(64, 2), (64, 1), (96, 2)])
-def test_interpret_mode_matches_reference(head_dim, num_splits):
+@pytest.mark.parametrize("head_dim,num_splits,q_len,q_heads,kv_heads", [
+    (64, 2, 2, 4, 1), (64, 1, 2, 4, 1), (96, 2, 2, 4, 1),
+    # Queries read unpacked (token_stride 8 at GQA 4, 16 at GQA 6): kv head 1's rows start
+    # at column 4 (GQA 4) or 6 (GQA 6) of each token's stride, read back by the combine (two
+    # splits) and by the gather of one split.
+    (64, 2, 3, 8, 2), (64, 1, 3, 8, 2), (64, 2, 3, 12, 2),
+])
+def test_interpret_mode_matches_reference(head_dim, num_splits, q_len, q_heads, kv_heads):
     # Pages of 16 keys, four to a 64-key block; a window; a token at a negative position; NaN
     # and inf in K and V at every position no query sees (past each length, before the
     # window), which may not reach the output. At 64 the keys are the wgmma M axis (its d-major
     # partials go through the combine, or are transposed back with one split); at 96 the rows
     # are, and O leaves in three 32-column pieces.
-    _run(jnp.bfloat16, 2, 2, 4, 1, head_dim, 192, 16, [150, 1],
+    _run(jnp.bfloat16, 2, q_len, q_heads, kv_heads, head_dim, 192, 16, [150, 1],
          dict(window=(40, 0), num_splits=num_splits), interpret=True, poison=True)
 
 
@@ -163,7 +169,8 @@ def _plan(**changes):
 
 def _lowers(plan):
     b, h, d = plan.batch, plan.kv_heads, plan.head_dim
-    q = jnp.zeros((b, h, plan.rows, d), plan.dtype)
+    q = jnp.zeros((b, plan.q_len, plan.q_heads, d), plan.dtype)
+    q = decode.backend_queries(plan, q, mosaic.token_stride(plan))
     if plan.paged:
         cache = jnp.zeros((b * plan.pages_per_seq, plan.page_size, h, d), plan.dtype)
         table = jnp.zeros((b, plan.pages_per_seq), jnp.int32)
@@ -261,12 +268,15 @@ def test_auto_takes_mosaic_only_for_one_wave(monkeypatch, batch, kv_heads, num_s
 @pytest.mark.skipif(ON_GPU and not IS_HOPPER, reason="Mosaic GPU kernel needs sm_90")
 @pytest.mark.parametrize("q_len,group,head_dim,padded", [
     (1, 4, 128, False), (1, 8, 128, False), (2, 8, 64, False), (4, 8, 128, False),
-    (3, 4, 32, True), (3, 4, 128, True), (5, 4, 128, True),
+    (3, 4, 32, True), (3, 4, 128, False), (5, 4, 128, False), (9, 4, 128, True),
 ])
 def test_q_is_read_in_place(q_len, group, head_dim, padded):
     # The TMA zero-fills a 64-row piece past the packed rows, so no padding pass (one more
     # kernel launch per decoding step) comes before the kernel, except to whole 8-row tiles
-    # where there are more than 8 rows (a 12-row Q fails to lower unpadded).
+    # where there are more than 8 packed rows (a 12-row Q fails to lower unpadded). With keys
+    # as M the queries are read unpacked where q_len times the token stride fits 64 columns
+    # (3 and 5 tokens at GQA 4), so nothing is padded; 9 tokens at GQA 4 (72 columns) are
+    # packed, 36 rows padded to 40.
     plan = _plan(q_len=q_len, group=group, rows=q_len * group, q_heads=2 * group,
                  head_dim=head_dim, scale=head_dim ** -0.5)
     assert ("stablehlo.pad" in _lowers(plan)) == padded
@@ -316,3 +326,41 @@ def test_traced_page_outside_the_cache_gives_nan(head_dim, page_size, lengths, o
     cache = make_cache(kc, batch, max_len, kv_heads, head_dim, dtype, page_size)
     check_traced_bad_pages(q, cache, lengths, options, bad, ignored, backend="mosaic",
                            interpret=None if IS_HOPPER else True)
+
+
+@pytest.mark.parametrize("q_len,q_heads,kv_heads,head_dim,stride", [
+    (4, 32, 8, 128, 8), (4, 64, 8, 128, 8), (2, 128, 8, 128, 16), (3, 12, 2, 64, 16),
+    (1, 32, 8, 128, 8), (9, 32, 8, 128, None), (4, 32, 8, 96, None),
+])
+def test_queries_reach_the_kernel_unpacked(q_len, q_heads, kv_heads, head_dim, stride):
+    # With keys as M and q_len * stride <= 64, no transpose packs the queries before the
+    # kernel; elsewhere (more columns than one wgmma N; rows as M at head_dim 96) they are
+    # packed, a transpose where q_len > 1.
+    q = jnp.zeros((1, q_len, q_heads, head_dim), jnp.bfloat16)
+    k = jnp.zeros((1, 256, kv_heads, head_dim), jnp.bfloat16)
+    lengths = jnp.full((1,), 256)
+    plan = decode._validate(q, k, k, lengths, None, scale=None, softcap=None, window=None,
+                            sinks=None, return_lse=False, num_splits=2, backend="mosaic",
+                            interpret=True)[0]
+    assert mosaic.token_stride(plan) == stride
+    jaxpr = jax.make_jaxpr(lambda q, k: pf.decode_attention(
+        q, k, k, kv_lengths=lengths, num_splits=2, backend="mosaic", interpret=True))(q, k)
+    # A bf16 transpose is the queries' packing (the lse's unpacking is float32, and XLA drops it
+    # without return_lse).
+    assert _transposes(jaxpr.jaxpr, q.dtype) == (stride is None and q_len > 1)
+
+
+def _transposes(jaxpr, dtype) -> bool:
+    """Whether jaxpr transposes an array of `dtype` outside the kernels (Triton's pallas_call,
+    Mosaic GPU's mpmd_map)."""
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "transpose" and eqn.outvars[0].aval.dtype == dtype:
+            return True
+        if eqn.primitive.name in ("pallas_call", "mpmd_map"):
+            continue
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else (value,):
+                sub = getattr(sub, "jaxpr", sub)  # a ClosedJaxpr's Jaxpr
+                if hasattr(sub, "eqns") and _transposes(sub, dtype):
+                    return True
+    return False
