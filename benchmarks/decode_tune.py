@@ -98,9 +98,9 @@ def call_fns(q, k, v, lengths, num_splits, tiles):
         return whole(q, k, v, lengths, None, None)[0]
 
     def partial(q, k, v, lengths):
-        stride = mosaic_decode.token_stride(plan, tiles)
-        return mosaic_decode.partial(plan, decode.backend_queries(plan, q, stride), k, v,
-                                     lengths, None, tiles=tiles)[0]
+        if not mosaic_decode.reads_queries_unpacked(plan, tiles):
+            q = decode.pack_queries(q, plan.kv_heads)
+        return mosaic_decode.partial(plan, q, k, v, lengths, None, tiles=tiles)[0]
     return plan, ran, (full, partial)
 
 

@@ -8,13 +8,11 @@ through their lse -> sinks -> unpack to [batch, q_len, q_heads, head_dim].
 
 Backend contract (pallas_flash/triton/decode.py, pallas_flash/mosaic/decode.py): each module
 exposes `partial(plan, q_packed, k_cache, v_cache, kv_lengths, block_table)` (see
-`partial_contract` below for its shapes), `unsupported_reason(plan) -> str | None`,
+`partial_contract` below for its shapes), `unsupported_reason(plan) -> str | None` and
 `d_major(plan, tiles) -> bool`: True where its partial O comes transposed, O^T [..., head_dim,
 n] with lse [..., n] for n >= rows columns (the Mosaic keys-as-M kernel), which the combine
-reads in place, and `token_stride(plan, tiles) -> int | None`: not None where `partial` takes
-the queries unpacked, [batch, q_len, q_heads, head_dim] as given, and its partials hold token
-t's rows from t * token_stride (the Mosaic keys-as-M kernel, which so spares the caller the
-packing transpose; `partial_contract`).
+reads in place, and `reads_queries_unpacked(plan, tiles) -> bool`: True where `partial` takes
+the queries as given, so that the caller's packing transpose is spared.
 """
 
 from __future__ import annotations
@@ -101,10 +99,9 @@ def partial_contract(plan: DecodePlan, q_packed: jax.Array, k_cache: jax.Array,
     Args:
       plan: the call's DecodePlan.
       q_packed: [batch, kv_heads, rows, head_dim] in plan.dtype; row r = t * group + g holds
-        query token t of query head kv_head * group + g. A backend whose `token_stride` is not
-        None takes [batch, q_len, q_heads, head_dim] as the caller gave it instead, and its
-        partials hold row (t, g) of kv head h at t * token_stride + (h * group) % 8 + g of
-        n >= q_len * token_stride.
+        query token t of query head kv_head * group + g. A backend whose
+        `reads_queries_unpacked` is True takes [batch, q_len, q_heads, head_dim] as the caller
+        gave it instead (the partials are the same).
       k_cache, v_cache: contiguous [batch, max_len, kv_heads, head_dim], or paged
         [num_pages, page_size, kv_heads, head_dim]; plan.dtype.
       kv_lengths: int32 [batch], already clamped to [0, max_len]. Query token t sits at
@@ -340,25 +337,6 @@ def pack_queries(q, kv_heads: int):
     return q.reshape(batch, kv_heads, q_len * group, d)
 
 
-def backend_queries(plan: DecodePlan, q, token_stride: int | None):
-    """The queries as a backend's `partial` takes them: as given where its `token_stride` is
-    not None, else packed (`pack_queries`)."""
-    return q if token_stride is not None else pack_queries(q, plan.kv_heads)
-
-
-def packed_rows(plan: DecodePlan, out, lse, token_stride: int | None):
-    """(O [batch, kv_heads, rows, d], lse [batch, kv_heads, rows]) from a partial's n >= rows
-    rows or columns (O [..., n, d]); where token_stride is not None, row (t, g) of kv head h is
-    at t * token_stride + (h * group) % 8 + g."""
-    if token_stride is None:
-        return out[..., :plan.rows, :], lse[..., :plan.rows]
-    h, t, g = plan.kv_heads, plan.q_len, plan.group
-    cols = (np.arange(t)[None, :, None] * token_stride + (np.arange(h) * g % 8)[:, None, None]
-            + np.arange(g)[None, None, :]).reshape(1, h, t * g)
-    return (jnp.take_along_axis(out, jnp.asarray(cols)[..., None], axis=2),
-            jnp.take_along_axis(lse, jnp.asarray(cols), axis=2))
-
-
 def unpack_out(plan: DecodePlan, out):
     """Packed O [batch, kv_heads, rows, d] -> [batch, q_len, q_heads, d]."""
     b, h, t, g = plan.batch, plan.kv_heads, plan.q_len, plan.group
@@ -391,9 +369,9 @@ def _decode_fn(plan: DecodePlan, backend: str, has_sinks: bool, tiles=None):
         module = _backend_module(backend)
         # Clipped before the cast, so that a wider integer cannot wrap into range.
         lengths = jnp.clip(kv_lengths, 0, plan.max_len).astype(jnp.int32)
-        stride = module.token_stride(plan, tiles)
-        o_part, lse_part = module.partial(plan, backend_queries(plan, q, stride), k_cache,
-                                          v_cache, lengths, block_table, **extra)
+        q_in = q if module.reads_queries_unpacked(plan, tiles) else pack_queries(q, plan.kv_heads)
+        o_part, lse_part = module.partial(plan, q_in, k_cache, v_cache, lengths, block_table,
+                                          **extra)
         # A d-major partial (the Mosaic keys-as-M kernel): O^T [..., head_dim, n], lse [..., n]
         # with n >= rows columns, read in place by the combine.
         d_major = module.d_major(plan, tiles)
@@ -402,14 +380,13 @@ def _decode_fn(plan: DecodePlan, backend: str, has_sinks: bool, tiles=None):
         if plan.num_splits == 1:
             out, lse = o_part[:, :, 0], lse_part[:, :, 0]
             if d_major:
-                out = jnp.swapaxes(out, -1, -2)
-            out, lse = packed_rows(plan, out, lse, stride)
+                out = jnp.swapaxes(out, -1, -2)[..., :plan.rows, :]
+                lse = lse[..., :plan.rows]
             out = unpack_out(plan, out.astype(out_dtype))
         else:
             # The combine reads only num_splits * rows * head_dim floats per head: one Triton
             # kernel serves every backend. It writes O unpacked.
-            out, lse = triton_decode.combine(plan, o_part, lse_part, out_dtype, d_major=d_major,
-                                             token_stride=stride)
+            out, lse = triton_decode.combine(plan, o_part, lse_part, out_dtype, d_major=d_major)
         lse = unpack_lse(plan, lse)
         if has_sinks:
             out, lse = apply_sinks(out, lse, sinks)

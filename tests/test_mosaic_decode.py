@@ -144,10 +144,8 @@ def test_unseen_non_finite_values_are_confined(dtype, batch, q_len, q_heads, kv_
 @pytest.mark.filterwarnings("ignore:invalid value encountered in matmul:RuntimeWarning")
 @pytest.mark.parametrize("head_dim,num_splits,q_len,q_heads,kv_heads", [
     (64, 2, 2, 4, 1), (64, 1, 2, 4, 1), (96, 2, 2, 4, 1),
-    # Queries read unpacked (token_stride 8 at GQA 4, 16 at GQA 6): kv head 1's rows start
-    # at column 4 (GQA 4) or 6 (GQA 6) of each token's stride, read back by the combine (two
-    # splits) and by the gather of one split.
-    (64, 2, 3, 8, 2), (64, 1, 3, 8, 2), (64, 2, 3, 12, 2),
+    # GQA 8 and 16: the queries are read unpacked, one copy a token (reads_queries_unpacked).
+    (64, 2, 3, 16, 2), (64, 1, 2, 32, 2),
 ])
 def test_interpret_mode_matches_reference(head_dim, num_splits, q_len, q_heads, kv_heads):
     # Pages of 16 keys, four to a 64-key block; a window; a token at a negative position; NaN
@@ -169,8 +167,8 @@ def _plan(**changes):
 
 def _lowers(plan):
     b, h, d = plan.batch, plan.kv_heads, plan.head_dim
-    q = jnp.zeros((b, plan.q_len, plan.q_heads, d), plan.dtype)
-    q = decode.backend_queries(plan, q, mosaic.token_stride(plan))
+    q = (jnp.zeros((b, plan.q_len, plan.q_heads, d), plan.dtype)
+         if mosaic.reads_queries_unpacked(plan) else jnp.zeros((b, h, plan.rows, d), plan.dtype))
     if plan.paged:
         cache = jnp.zeros((b * plan.pages_per_seq, plan.page_size, h, d), plan.dtype)
         table = jnp.zeros((b, plan.pages_per_seq), jnp.int32)
@@ -268,15 +266,12 @@ def test_auto_takes_mosaic_only_for_one_wave(monkeypatch, batch, kv_heads, num_s
 @pytest.mark.skipif(ON_GPU and not IS_HOPPER, reason="Mosaic GPU kernel needs sm_90")
 @pytest.mark.parametrize("q_len,group,head_dim,padded", [
     (1, 4, 128, False), (1, 8, 128, False), (2, 8, 64, False), (4, 8, 128, False),
-    (3, 4, 32, True), (3, 4, 128, False), (5, 4, 128, False), (9, 4, 128, True),
+    (3, 4, 32, True), (3, 4, 128, True), (5, 4, 128, True),
 ])
 def test_q_is_read_in_place(q_len, group, head_dim, padded):
     # The TMA zero-fills a 64-row piece past the packed rows, so no padding pass (one more
     # kernel launch per decoding step) comes before the kernel, except to whole 8-row tiles
-    # where there are more than 8 packed rows (a 12-row Q fails to lower unpadded). With keys
-    # as M the queries are read unpacked where q_len times the token stride fits 64 columns
-    # (3 and 5 tokens at GQA 4), so nothing is padded; 9 tokens at GQA 4 (72 columns) are
-    # packed, 36 rows padded to 40.
+    # where there are more than 8 rows (a 12-row Q fails to lower unpadded).
     plan = _plan(q_len=q_len, group=group, rows=q_len * group, q_heads=2 * group,
                  head_dim=head_dim, scale=head_dim ** -0.5)
     assert ("stablehlo.pad" in _lowers(plan)) == padded
@@ -328,26 +323,26 @@ def test_traced_page_outside_the_cache_gives_nan(head_dim, page_size, lengths, o
                            interpret=None if IS_HOPPER else True)
 
 
-@pytest.mark.parametrize("q_len,q_heads,kv_heads,head_dim,stride", [
-    (4, 32, 8, 128, 8), (4, 64, 8, 128, 8), (2, 128, 8, 128, 16), (3, 12, 2, 64, 16),
-    (1, 32, 8, 128, 8), (9, 32, 8, 128, None), (4, 32, 8, 96, None),
+@pytest.mark.parametrize("q_len,q_heads,kv_heads,head_dim,unpacked", [
+    (4, 64, 8, 128, True), (2, 128, 8, 128, True), (1, 64, 8, 128, True),
+    (4, 32, 8, 128, False), (4, 64, 8, 96, False), (9, 64, 8, 128, False),
 ])
-def test_queries_reach_the_kernel_unpacked(q_len, q_heads, kv_heads, head_dim, stride):
-    # With keys as M and q_len * stride <= 64, no transpose packs the queries before the
-    # kernel; elsewhere (more columns than one wgmma N; rows as M at head_dim 96) they are
-    # packed, a transpose where q_len > 1.
+def test_queries_reach_the_kernel_unpacked(q_len, q_heads, kv_heads, head_dim, unpacked):
+    # Keys as M with a group of 8 or 16: no transpose packs the queries before the kernel.
+    # Elsewhere (GQA 4; rows as M at head_dim 96, or past 64 packed rows) they are packed, a
+    # transpose where q_len > 1.
     q = jnp.zeros((1, q_len, q_heads, head_dim), jnp.bfloat16)
     k = jnp.zeros((1, 256, kv_heads, head_dim), jnp.bfloat16)
     lengths = jnp.full((1,), 256)
     plan = decode._validate(q, k, k, lengths, None, scale=None, softcap=None, window=None,
                             sinks=None, return_lse=False, num_splits=2, backend="mosaic",
                             interpret=True)[0]
-    assert mosaic.token_stride(plan) == stride
+    assert mosaic.reads_queries_unpacked(plan) == unpacked
     jaxpr = jax.make_jaxpr(lambda q, k: pf.decode_attention(
         q, k, k, kv_lengths=lengths, num_splits=2, backend="mosaic", interpret=True))(q, k)
     # A bf16 transpose is the queries' packing (the lse's unpacking is float32, and XLA drops it
     # without return_lse).
-    assert _transposes(jaxpr.jaxpr, q.dtype) == (stride is None and q_len > 1)
+    assert _transposes(jaxpr.jaxpr, q.dtype) == (not unpacked and q_len > 1)
 
 
 def _transposes(jaxpr, dtype) -> bool:

@@ -60,7 +60,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -144,30 +143,18 @@ def keys_n(rows: int) -> int:
     return -(-rows // 8) * 8
 
 
-def token_stride(plan, tiles: DecodeTiles | None = None) -> int | None:
-    """The distance between new tokens in the columns of the keys-as-M kernel's partials where
-    it reads the queries unpacked, else None (it takes them packed, row t * group + g).
+def reads_queries_unpacked(plan, tiles: DecodeTiles | None = None) -> bool:
+    """Whether `partial` takes the queries as the caller gave them, [batch, q_len, q_heads,
+    head_dim], instead of packed: with keys as M where the group is a multiple of 8.
 
-    Unpacked: Q's tile is filled by one TMA copy per new token, of `stride` query heads from
-    [batch, q_len, q_heads, head_dim] as the caller gave it, starting at the multiple of 8
-    at or below the kv head's first query head (Mosaic GPU takes a copy into Q's 128-byte
-    swizzled tile only from a row that is one), so token t of query head kv_head * group + g
-    is column t * stride + (kv_head * group) % 8 + g. The caller then packs nothing: with
-    more than one new token, packing is a transpose, one more kernel launch before every
-    call. The other columns hold neighbouring kv heads' queries, or zeros past the last head,
-    and are never read back. Taken where the columns fit one wgmma N (at most 64)."""
+    Then one TMA copy a new token brings its kv head's `group` query heads into rows
+    t * group.. of Q's tile, the packed order, so the partials are the same; the caller packs
+    nothing, which with more than one new token is a transpose, one more kernel launch before
+    every call. Q's tile takes the 128-byte swizzle, into which Mosaic GPU copies only from
+    rows that are multiples of 8: a smaller group would need 8 rows a token, and at GQA 4
+    those spare columns cost the kernel more than the transpose (docs/tuning.md)."""
     tiles = tiles or default_tiles(plan)
-    g = plan.group
-    # The kv head's rows start at an offset of a multiple of gcd(g, 8) below 8 in the box.
-    span = g if g % 8 == 0 else g + 8 - math.gcd(g, 8)
-    stride = keys_n(span)
-    return stride if tiles.keys_as_m and plan.q_len * stride <= WG_ROWS else None
-
-
-def keys_cols(plan, tiles: DecodeTiles) -> int:
-    """The columns of the keys-as-M kernel's Q tile and partials (its wgmma N)."""
-    stride = token_stride(plan, tiles)
-    return keys_n(plan.rows) if stride is None else plan.q_len * stride
+    return tiles.keys_as_m and plan.group % 8 == 0
 
 
 def default_tiles(plan) -> DecodeTiles:
@@ -242,7 +229,7 @@ def lse_buffer_shape(plan, tiles: DecodeTiles) -> tuple[int, int]:
     """The float32 lse staging buffer: a row per compute warpgroup (one row of the n packed
     rows with keys as M), then, for a paged cache, rows holding one page flag a slot
     (`_page_flags`)."""
-    width = keys_cols(plan, tiles) if tiles.keys_as_m else WG_ROWS
+    width = keys_n(plan.rows) if tiles.keys_as_m else WG_ROWS
     own = 1 if tiles.keys_as_m else tiles.compute_wgs
     return own + (-(-tiles.stages // width) if plan.paged else 0), width
 
@@ -307,8 +294,7 @@ def _compute_keys_as_m(*, plan, tiles, q_ref, o_ref, lse_ref, q_smem, k_smem, v_
     TMA filled Q with and are never stored."""
     block_kv, stages = tiles.block_kv, tiles.stages
     head_dim, q_len, group = plan.head_dim, plan.q_len, plan.group
-    stride = token_stride(plan, tiles)
-    n = keys_cols(plan, tiles)
+    n = keys_n(plan.rows)
     dtype = q_ref.dtype
     logit_scale = plan.scale if plan.softcap is None else plan.softcap
     c = logit_scale * LOG2E
@@ -318,16 +304,14 @@ def _compute_keys_as_m(*, plan, tiles, q_ref, o_ref, lse_ref, q_smem, k_smem, v_
         # The n-row box may reach past the array's rows (n rounds plan.rows up to 8), which the
         # TMA fills with zeros. row0 (0: these grids have one row tile) is traced, as in the
         # rows-as-M path: jax 0.12 refuses a static slice past an array's end at trace time.
-        if stride is None:
+        if reads_queries_unpacked(plan, tiles):
+            # One copy (one arrival on q_loaded) per new token.
+            for t in range(q_len):
+                plgpu.copy_gmem_to_smem(q_ref.at[batch * q_len + t, pl.ds(kv_head * group, group)],
+                                        q_smem.at[0, pl.ds(t * group, group)], q_loaded.at[0])
+        else:
             plgpu.copy_gmem_to_smem(q_ref.at[batch * plan.kv_heads + kv_head, pl.ds(row0, n)],
                                     q_smem.at[0], q_loaded.at[0])
-        else:
-            # One copy (one arrival on q_loaded) per new token; a box past the last query head
-            # is filled with zeros.
-            first = lax.div(kv_head * group, jnp.int32(8)) * 8
-            for t in range(q_len):
-                plgpu.copy_gmem_to_smem(q_ref.at[batch * q_len + t, pl.ds(first, stride)],
-                                        q_smem.at[0, pl.ds(t * stride, stride)], q_loaded.at[0])
         full_lo, full_hi = _full_blocks(plan, block_kv, kv_len, key_lo, key_hi, lo, hi)
         seen_hi = jnp.minimum(key_hi, lax.div(plan.rows - 1, group) + (kv_len - q_len + 1))
         seen_lo = key_lo
@@ -354,8 +338,8 @@ def _compute_keys_as_m(*, plan, tiles, q_ref, o_ref, lse_ref, q_smem, k_smem, v_
                 shape = (block_kv, n)
                 key = plgpu.broadcasted_iota(jnp.int32, shape, 0,
                                              layout=plgpu.Layout.WGMMA) + j * block_kv
-                col = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
-                q_pos = lax.div(col, jnp.int32(stride or group)) + (kv_len - q_len)
+                row = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
+                q_pos = lax.div(row, jnp.int32(group)) + (kv_len - q_len)
                 ok = (key >= key_lo) & (key < key_hi) & (key <= q_pos)
                 if plan.window_left is not None:
                     ok = ok & (key >= q_pos - plan.window_left)
@@ -642,9 +626,8 @@ def _kernel(*refs, plan, tiles: DecodeTiles):
 
 def partial(plan, q_packed, k_cache, v_cache, kv_lengths, block_table, *,
             tiles: DecodeTiles | None = None):
-    """(o_part, lse_part) of `pallas_flash.decode.partial_contract`; where `token_stride` is
-    not None, q_packed is the queries as the caller gave them, [batch, q_len, q_heads,
-    head_dim], and the partials' columns are strided (`token_stride`).
+    """(o_part, lse_part) of `pallas_flash.decode.partial_contract`; where
+    `reads_queries_unpacked`, q_packed is the queries as the caller gave them.
 
     Raises NotImplementedError for anything this kernel does not serve (`unsupported_reason`).
     """
@@ -721,10 +704,10 @@ def partial(plan, q_packed, k_cache, v_cache, kv_lengths, block_table, *,
 
 def _partial_keys_as_m(plan, tiles, q_packed, k_cache, v_cache, kv_lengths, block_table):
     batch, kv_heads, rows, head_dim = plan.batch, plan.kv_heads, plan.rows, plan.head_dim
+    unpacked = reads_queries_unpacked(plan, tiles)
     splits = plan.num_splits
     dtype = q_packed.dtype
-    stride = token_stride(plan, tiles)
-    n = keys_cols(plan, tiles)
+    n = keys_n(rows)
     pieces = (tiles.block_kv // plan.page_size
               if plan.paged and plan.page_size < tiles.block_kv else 1)
     scratch = [
@@ -733,7 +716,7 @@ def _partial_keys_as_m(plan, tiles, q_packed, k_cache, v_cache, kv_lengths, bloc
         plgpu.SMEM((tiles.stages, tiles.block_kv, head_dim), dtype),
         plgpu.SMEM((1, head_dim, n), jnp.float32),
         plgpu.SMEM(lse_buffer_shape(plan, tiles), jnp.float32),
-        plgpu.Barrier(num_arrivals=1 if stride is None else plan.q_len, num_barriers=1),
+        plgpu.Barrier(num_arrivals=plan.q_len if unpacked else 1, num_barriers=1),
         plgpu.Barrier(num_arrivals=pieces, num_barriers=tiles.stages),
         plgpu.Barrier(num_arrivals=pieces, num_barriers=tiles.stages),
         plgpu.Barrier(num_arrivals=1, num_barriers=tiles.stages),
@@ -754,14 +737,14 @@ def _partial_keys_as_m(plan, tiles, q_packed, k_cache, v_cache, kv_lengths, bloc
         interpret=interpret_params(plan.interpret, 2),
         kernel_name=KERNEL_NAME,
     )
-    if stride is None:
+    if unpacked:
+        q = q_packed.reshape(batch * plan.q_len, plan.q_heads, head_dim)  # free
+    else:
         q_rows = rows if rows <= 8 else n
         q = q_packed
         if q_rows > rows:
             q = jnp.pad(q, ((0, 0), (0, 0), (0, q_rows - rows), (0, 0)))
         q = q.reshape(batch * kv_heads, q_rows, head_dim)
-    else:
-        q = q_packed.reshape(batch * plan.q_len, plan.q_heads, head_dim)  # free
     args = [q, k_cache, v_cache, kv_lengths.astype(jnp.int32)]
     if plan.paged:
         args.append(block_table.astype(jnp.int32))

@@ -208,10 +208,10 @@ def d_major(plan, tiles=None) -> bool:
     return False
 
 
-def token_stride(plan, tiles=None) -> None:
-    """None: `partial` takes the queries packed and returns packed rows
-    (pallas_flash.decode.partial_contract)."""
-    return None
+def reads_queries_unpacked(plan, tiles=None) -> bool:
+    """Whether `partial` takes the queries unpacked: never here (pallas_flash.decode's
+    partial_contract)."""
+    return False
 
 
 def partial(plan, q_packed, k_cache, v_cache, kv_lengths, block_table):
@@ -256,16 +256,10 @@ def partial(plan, q_packed, k_cache, v_cache, kv_lengths, block_table):
 
 
 def _combine_kernel(o_ref, lse_ref, out_ref, out_lse_ref, *, plan, split_block: int,
-                    d_pad: int, d_major: bool, token_stride: int | None):
+                    d_pad: int, d_major: bool):
     # One packed row per program: its splits' lse and O rows are read split_block at a time,
     # so a few splits need one round of loads, not one load after another per split.
     row = lax.rem(pl.program_id(1), jnp.int32(plan.rows))
-    part = row  # the row's place in the partials
-    if token_stride is not None:
-        group = jnp.int32(plan.group)
-        head = lax.div(pl.program_id(1), jnp.int32(plan.rows))
-        part = (lax.div(row, group) * token_stride + lax.rem(head * group, jnp.int32(8))
-                + lax.rem(row, group))
     cols = jnp.arange(d_pad, dtype=jnp.int32) < plan.head_dim
     all_cols = pl.ds(jnp.int32(0), d_pad)
 
@@ -276,14 +270,14 @@ def _combine_kernel(o_ref, lse_ref, out_ref, out_lse_ref, *, plan, split_block: 
         first = chunk * split_block
         ok = _positions(first, split_block) < plan.num_splits
         splits = pl.ds(first, split_block)
-        part_lse = plgpu.load(lse_ref.at[splits, part], mask=ok, other=-jnp.inf)
-        o_rows = o_ref.at[splits, all_cols, part] if d_major else o_ref.at[splits, part, all_cols]
-        o = plgpu.load(o_rows, mask=ok[:, None] & cols[None, :], other=0.0)
+        part_lse = plgpu.load(lse_ref.at[splits, row], mask=ok, other=-jnp.inf)
+        o_rows = o_ref.at[splits, all_cols, row] if d_major else o_ref.at[splits, row, all_cols]
+        part = plgpu.load(o_rows, mask=ok[:, None] & cols[None, :], other=0.0)
         new_top = jnp.maximum(top, jnp.max(part_lse))
         anchor = jnp.where(new_top == -jnp.inf, 0.0, new_top)
         old = jnp.exp(top - anchor)
         weight = jnp.exp(part_lse - anchor)
-        return (acc * old + jnp.sum(o * weight[:, None], axis=0), new_top,
+        return (acc * old + jnp.sum(part * weight[:, None], axis=0), new_top,
                 total * old + jnp.sum(weight))
 
     init = (jnp.zeros((d_pad,), jnp.float32), jnp.float32(-jnp.inf), jnp.float32(0.0))
@@ -313,13 +307,10 @@ def _query_row(b, i, *, rows: int, g: int):
 COMBINE_SPLITS = 16
 
 
-def combine(plan, o_part, lse_part, out_dtype, d_major: bool = False,
-            token_stride: int | None = None):
+def combine(plan, o_part, lse_part, out_dtype, d_major: bool = False):
     """(O [batch, q_len, q_heads, head_dim] in out_dtype, lse float32 [batch, kv_heads, rows])
     from the per-split partials; d_major: O^T partials [..., head_dim, n] and lse [..., n],
-    n >= rows (the Mosaic keys-as-M kernel's), read in place; token_stride: packed row
-    t * group + g of kv head h is partial column t * token_stride + (h * group) % 8 + g (the
-    backend's `token_stride`).
+    n >= rows (the Mosaic keys-as-M kernel's), read in place.
 
     O comes out in the caller's layout: packed row t * group + g of kv head h is query head
     h * group + g of new token t, and each program writes its row there, so that no transpose
@@ -327,7 +318,7 @@ def combine(plan, o_part, lse_part, out_dtype, d_major: bool = False,
     d_pad = common.padded_head_dim(plan.head_dim)
     split_block = min(COMBINE_SPLITS, pl.next_power_of_2(plan.num_splits))
     kernel = functools.partial(_combine_kernel, plan=plan, split_block=split_block, d_pad=d_pad,
-                               d_major=d_major, token_stride=token_stride)
+                               d_major=d_major)
     s, rows, g = plan.num_splits, plan.rows, plan.group
     n = o_part.shape[-1] if d_major else rows
     o_block = (None, None, s, d_pad, n) if d_major else (None, None, s, rows, d_pad)
