@@ -17,6 +17,7 @@ import json
 import os
 import tempfile
 import time
+import warnings
 from typing import Any
 
 import jax
@@ -94,13 +95,20 @@ def device_times(jobs: list[tuple[Any, tuple]], rounds: int = 3) -> list[list[fl
         return [None] * len(jobs)
     order = [i for r in range(rounds)
              for i in (range(len(jobs)) if r % 2 == 0 else reversed(range(len(jobs))))]
-    with tempfile.TemporaryDirectory() as log_dir:
-        with jax.profiler.trace(log_dir, create_perfetto_trace=True):
-            for i in order:
-                f, args = jobs[i]
-                time.sleep(PAUSE_S)
-                jax.block_until_ready(f(*args))
-        found = bursts(stream_kernels(load_events(find_trace(log_dir))), SPLIT_S * 1e6)
+    try:
+        with tempfile.TemporaryDirectory() as log_dir:
+            with jax.profiler.trace(log_dir, create_perfetto_trace=True):
+                for i in order:
+                    f, args = jobs[i]
+                    time.sleep(PAUSE_S)
+                    jax.block_until_ready(f(*args))
+            found = bursts(stream_kernels(load_events(find_trace(log_dir))), SPLIT_S * 1e6)
+    except Exception as e:  # noqa: BLE001 - a profiler that cannot trace leaves the wall clock
+        # The jobs ran before (the caller timed them), so what failed here is the profiler or
+        # its trace; the rows keep their wall-clock times.
+        warnings.warn(f"no GPU times from a trace ({type(e).__name__}: {e}); the wall clock's "
+                      "stand", stacklevel=2)
+        return [None] * len(jobs)
     if len(found) != len(order):
         return [None] * len(jobs)
     times: list[list[float] | None] = []

@@ -100,3 +100,13 @@ def test_device_times_refuses_a_job_whose_kernels_vary(fake_profiler):
     job, calls = fake_profiler
     times = trace.device_times([(job(0), (1,)), (job(1, vary=True), (1,))], rounds=2)
     assert times[0] == [pytest.approx(10e-6)] * 2 and times[1] is None
+
+
+def test_device_times_survive_a_profiler_that_fails(fake_profiler, monkeypatch):
+    job, calls = fake_profiler
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no CUPTI")
+    monkeypatch.setattr(trace.jax.profiler, "trace", broken)
+    with pytest.warns(UserWarning, match="no CUPTI"):
+        assert trace.device_times([(job(0), (1,))]) == [None]
