@@ -301,15 +301,16 @@ def _compute_keys_as_m(*, plan, tiles, q_ref, o_ref, lse_ref, q_smem, k_smem, v_
 
     @pl.when(wg == 0)
     def _compute():
-        # The n-row box may reach past the array's rows (n rounds plan.rows up to 8), which the
-        # TMA fills with zeros. row0 (0: these grids have one row tile) is traced, as in the
-        # rows-as-M path: jax 0.12 refuses a static slice past an array's end at trace time.
         if reads_queries_unpacked(plan, tiles):
             # One copy (one arrival on q_loaded) per new token.
             for t in range(q_len):
                 plgpu.copy_gmem_to_smem(q_ref.at[batch * q_len + t, pl.ds(kv_head * group, group)],
                                         q_smem.at[0, pl.ds(t * group, group)], q_loaded.at[0])
         else:
+            # The n-row box may reach past the array's rows (n rounds plan.rows up to 8), which
+            # the TMA fills with zeros. row0 (0: these grids have one row tile) is traced, as in
+            # the rows-as-M path: jax 0.12 refuses a static slice past an array's end at trace
+            # time.
             plgpu.copy_gmem_to_smem(q_ref.at[batch * plan.kv_heads + kv_head, pl.ds(row0, n)],
                                     q_smem.at[0], q_loaded.at[0])
         full_lo, full_hi = _full_blocks(plan, block_kv, kv_len, key_lo, key_hi, lo, hi)
