@@ -51,7 +51,7 @@ from pallas_flash import decode  # noqa: E402
 from pallas_flash.bench import decode as bench_decode  # noqa: E402
 from pallas_flash.bench.report import git_commit  # noqa: E402
 from pallas_flash.bench.timing import default_warm_s, time_interleaved  # noqa: E402
-from pallas_flash.bench.trace import device_times  # noqa: E402
+from pallas_flash.bench.trace import device_times_of, smaller_time  # noqa: E402
 from pallas_flash.mosaic import decode as mosaic_decode  # noqa: E402
 
 
@@ -98,9 +98,8 @@ def call_fns(q, k, v, lengths, num_splits, tiles):
         return whole(q, k, v, lengths, None, None)[0]
 
     def partial(q, k, v, lengths):
-        if not mosaic_decode.reads_queries_unpacked(plan, tiles):
-            q = decode.pack_queries(q, plan.kv_heads)
-        return mosaic_decode.partial(plan, q, k, v, lengths, None, tiles=tiles)[0]
+        return mosaic_decode.partial(plan, decode.backend_queries(mosaic_decode, plan, q, tiles),
+                                     k, v, lengths, None, tiles=tiles)[0]
     return plan, ran, (full, partial)
 
 
@@ -173,13 +172,12 @@ def main(argv=None):
         # Every program of the case timed in the same rounds, so that the pairs compared share
         # the GPU's state (`timing.time_interleaved`); one that failed to compile is its error.
         keys = list(jobs)
-        timed = dict(zip(keys, time_interleaved(
-            [(compiled[key], jobs[key][1]) for key in keys], args.iters, 2, pipelined=True,
-            warm_s=default_warm_s())))
-        # The programs that ran, timed again on the GPU's clock (`trace.device_times`): at
+        programs = [(compiled[key], jobs[key][1]) for key in keys]
+        timed = dict(zip(keys, time_interleaved(programs, args.iters, 2, pipelined=True,
+                                                warm_s=default_warm_s())))
+        # The programs that ran, timed again on the GPU's clock (`trace.device_times_of`): at
         # batch 1 and short contexts the wall clock times the host's dispatch.
-        ran = [key for key in keys if not isinstance(timed[key][0], Exception)]
-        gpu = dict(zip(ran, device_times([(compiled[key], jobs[key][1]) for key in ran])))
+        gpu = dict(zip(keys, device_times_of(programs, [timed[key] for key in keys])))
         for index, base, q, fns in pairs:
             if isinstance(fns, str):
                 emit(**base, error=fns)
@@ -192,8 +190,8 @@ def main(argv=None):
                                             f"{str(times).splitlines()[0][:200]}")
                     continue
                 wall = statistics.median(times) / calls
-                t = min(wall, statistics.median(gpu[index, name]) / calls
-                        if gpu.get((index, name)) else wall)
+                gpu_times = gpu[index, name]
+                t, _ = smaller_time(wall, gpu_times and [x / calls for x in gpu_times])
                 row[f"{name}_us"] = round(t * 1e6, 2)
                 row[f"{name}_wall_us"] = round(wall * 1e6, 2)
                 row[f"{name}_pct_of_copy"] = round(100 * kv_bytes / t / 1e9 / copy_gbps, 1)

@@ -337,6 +337,12 @@ def pack_queries(q, kv_heads: int):
     return q.reshape(batch, kv_heads, q_len * group, d)
 
 
+def backend_queries(module, plan: DecodePlan, q, tiles=None):
+    """q as the backend `module`'s `partial` takes it: as given where it reads the queries
+    unpacked, else packed (`pack_queries`)."""
+    return q if module.reads_queries_unpacked(plan, tiles) else pack_queries(q, plan.kv_heads)
+
+
 def unpack_out(plan: DecodePlan, out):
     """Packed O [batch, kv_heads, rows, d] -> [batch, q_len, q_heads, d]."""
     b, h, t, g = plan.batch, plan.kv_heads, plan.q_len, plan.group
@@ -369,9 +375,8 @@ def _decode_fn(plan: DecodePlan, backend: str, has_sinks: bool, tiles=None):
         module = _backend_module(backend)
         # Clipped before the cast, so that a wider integer cannot wrap into range.
         lengths = jnp.clip(kv_lengths, 0, plan.max_len).astype(jnp.int32)
-        q_in = q if module.reads_queries_unpacked(plan, tiles) else pack_queries(q, plan.kv_heads)
-        o_part, lse_part = module.partial(plan, q_in, k_cache, v_cache, lengths, block_table,
-                                          **extra)
+        o_part, lse_part = module.partial(plan, backend_queries(module, plan, q, tiles), k_cache,
+                                          v_cache, lengths, block_table, **extra)
         # A d-major partial (the Mosaic keys-as-M kernel): O^T [..., head_dim, n], lse [..., n]
         # with n >= rows columns, read in place by the combine.
         d_major = module.d_major(plan, tiles)

@@ -47,7 +47,7 @@ from pallas_flash.bench.accuracy import rel_err
 from pallas_flash.bench.cases import parse_seq, seq_label
 from pallas_flash.bench.impls import NotApplicable, import_tokamax, short_error
 from pallas_flash.bench.timing import default_warm_s, time_calls, time_interleaved
-from pallas_flash.bench.trace import device_times
+from pallas_flash.bench.trace import device_times_of, smaller_time
 
 # The matrix of the issue: every combination of these, q_len 1 and 4, both cache layouts.
 BATCHES = (1, 4, 16, 64)
@@ -326,10 +326,9 @@ def _fields(result: tuple[Any, Any], calls: int,
     (wall times of a program, or the exception it raised; its last output) and its programs'
     GPU times from a trace (`trace.device_times`), if measured.
 
-    "ms" is the smaller of the two medians ("timer" says which). Each bounds the GPU's own time
-    from above: at batch 1 and short contexts the host's dispatch of a program takes as long as
-    the GPU's run of it, and the wall clock then times the host; under the profiler a kernel
-    can run slower than without it."""
+    "ms" is the smaller of the two medians (`trace.smaller_time`; "timer" says which): at
+    batch 1 and short contexts the host's dispatch of a program takes as long as the GPU's run
+    of it, and the wall clock then times the host."""
     times, outs = result
     try:
         if isinstance(times, Exception):
@@ -342,14 +341,10 @@ def _fields(result: tuple[Any, Any], calls: int,
     except Exception as e:  # noqa: BLE001 - any failure is a result
         return {"status": "error", "error": short_error(e)}, None
     wall = statistics.median(times) * 1e3
-    fields = {"status": "ok", "error": None, "times_ms": [t * 1e3 for t in times],
-              "wall_ms": wall, "gpu_times_ms": None, "timer": "wall", "ms": wall}
-    if gpu_times:
-        gpu = [t / calls * 1e3 for t in gpu_times]
-        fields["gpu_times_ms"] = gpu
-        if statistics.median(gpu) < wall:
-            fields.update(timer="gpu", ms=statistics.median(gpu))
-    return fields, out
+    gpu = [t / calls * 1e3 for t in gpu_times] if gpu_times else None
+    ms, timer = smaller_time(wall, gpu)
+    return {"status": "ok", "error": None, "times_ms": [t * 1e3 for t in times],
+            "wall_ms": wall, "gpu_times_ms": gpu, "timer": timer, "ms": ms}, out
 
 
 def run_group(group: Group, impls: list[str], opts, copy_gbps: float, key) -> dict:
@@ -429,10 +424,9 @@ def run_group(group: Group, impls: list[str], opts, copy_gbps: float, key) -> di
                          ((queries[hq, q_len],) * calls, caches, lengths, table)))
         results = time_interleaved(jobs, opts.iters, opts.warmup, opts.pipelined, warm_s)
         # The programs that ran, timed again on the GPU's own clock (`_fields`).
-        ran = [i for i, (times, _) in enumerate(results) if not isinstance(times, Exception)]
-        gpu = dict(zip(ran, device_times([jobs[i] for i in ran])))
-        for i, ((name, layout), result) in enumerate(zip(order, results)):
-            record(hq, q_len, layout, name, result, refs[hq, q_len], gpu.get(i))
+        gpu = device_times_of(jobs, results)
+        for (name, layout), result, gpu_times in zip(order, results, gpu):
+            record(hq, q_len, layout, name, result, refs[hq, q_len], gpu_times)
         warm_s = default_warm_s()
     add_comparisons(rows, outputs)
     return {"rows": rows, "compile_s": compile_s, "seconds": time.perf_counter() - start}

@@ -15,6 +15,7 @@ import glob
 import gzip
 import json
 import os
+import statistics
 import tempfile
 import time
 import warnings
@@ -117,3 +118,21 @@ def device_times(jobs: list[tuple[Any, tuple]], rounds: int = 3) -> list[list[fl
         same = len({len(b) for b in mine}) == 1
         times.append([span_us(b) * 1e-6 for b in mine] if same else None)
     return times
+
+
+def device_times_of(jobs: list[tuple[Any, tuple]],
+                    results: list[tuple[Any, Any]]) -> list[list[float] | None]:
+    """`device_times` of the jobs that `timing.time_interleaved` timed, given its results
+    ((times or the exception, last output) per job); None for a job that raised."""
+    ran = [i for i, (times, _) in enumerate(results) if not isinstance(times, Exception)]
+    found = dict(zip(ran, device_times([jobs[i] for i in ran])))
+    return [found.get(i) for i in range(len(jobs))]
+
+
+def smaller_time(wall: float, gpu_times: list[float] | None) -> tuple[float, str]:
+    """(time, "wall" or "gpu"): the smaller of a wall-clock time and the median of GPU times
+    (the same unit). Each bounds the kernels' own time from above: the wall clock includes the
+    host's dispatch where that sets the pace, the trace the profiler's overhead."""
+    if gpu_times and statistics.median(gpu_times) < wall:
+        return statistics.median(gpu_times), "gpu"
+    return wall, "wall"

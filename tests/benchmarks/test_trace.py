@@ -110,3 +110,18 @@ def test_device_times_survive_a_profiler_that_fails(fake_profiler, monkeypatch):
     monkeypatch.setattr(trace.jax.profiler, "trace", broken)
     with pytest.warns(UserWarning, match="no CUPTI"):
         assert trace.device_times([(job(0), (1,))]) == [None]
+
+
+def test_device_times_of_skips_the_jobs_that_raised(fake_profiler):
+    job, calls = fake_profiler
+    jobs = [(job(0), (1,)), (job(1), (1,)), (job(2), (1,))]
+    results = [([1.0], None), (ValueError("no"), None), ([1.0], None)]
+    times = trace.device_times_of(jobs, results)
+    assert set(calls) == {0, 2} and times[1] is None
+    assert times[0] == [pytest.approx(10e-6)] * 3 and times[2] == [pytest.approx(32e-6)] * 3
+
+
+def test_smaller_time():
+    assert trace.smaller_time(2.0, [1.0, 3.0, 1.5]) == (1.5, "gpu")
+    assert trace.smaller_time(1.2, [1.0, 3.0, 1.5]) == (1.2, "wall")
+    assert trace.smaller_time(1.2, None) == (1.2, "wall")
