@@ -298,9 +298,12 @@ def check_decode_case(case: DecodeCase):
     if case.sinks:
         options["sinks"] = 2.0 * jax.random.normal(ks, (q_heads,), jnp.float32)
     try:
-        out, lse = pf.decode_attention(q, k_cache, v_cache, kv_lengths=kv_lengths,
-                                       block_table=table, num_splits=case.num_splits,
-                                       return_lse=True, backend=case.backend, **options)
+        # Waited for before anything else is dispatched: an eager op queued while an
+        # interpreted Mosaic kernel still runs can wait on the kernel while the kernel's own
+        # callbacks wait behind it.
+        out, lse = jax.block_until_ready(pf.decode_attention(
+            q, k_cache, v_cache, kv_lengths=kv_lengths, block_table=table,
+            num_splits=case.num_splits, return_lse=True, backend=case.backend, **options))
     except ValueError as e:
         # A draw outside what the Mosaic kernel takes (head_dim, say) is not a failure.
         assume(not (case.backend == "mosaic" and "cannot serve" in str(e)))
