@@ -93,7 +93,9 @@ def outputs_and_grads(fn, q, k, v, do, dlse, kwargs):
     """O, lse and the vjp (dq, dk, dv) of fn for cotangents (do, dlse), in one jitted call.
 
     dlse is applied to finite lse entries only: a row that sees no key has lse = -inf in both
-    implementations, and its cotangent must not turn into inf * 0.
+    implementations, and its cotangent must not turn into inf * 0. The results are waited for:
+    an operation dispatched while an interpreted Mosaic kernel still runs can deadlock with the
+    interpreter's callbacks (seen as hangs of the next eager op).
     """
 
     @jax.jit
@@ -103,7 +105,7 @@ def outputs_and_grads(fn, q, k, v, do, dlse, kwargs):
         grads = vjp((do.astype(out.dtype), dlse))
         return out, lse, grads
 
-    return run(q, k, v, do, dlse)
+    return jax.block_until_ready(run(q, k, v, do, dlse))
 
 
 def check_against_reference(q, k, v, do, *, key=None, tol=None, **kwargs):

@@ -473,8 +473,10 @@ def test_matches_reference(backend, case, tiles):
     tol = tolerance(case.dtype, case.options.get("precision"))
 
     if "forward" in passes:
-        out, row_stats = jax.jit(lambda *a: backend.forward(spec, *a, fwd_config))(
-            q, k, v, q_ids, kv_ids)
+        # Waited for (here and below) before the reference is dispatched: an operation queued
+        # while an interpreted Mosaic kernel still runs can deadlock with its callbacks.
+        out, row_stats = jax.block_until_ready(jax.jit(
+            lambda *a: backend.forward(spec, *a, fwd_config))(q, k, v, q_ids, kv_ids))
     else:   # the backward alone, fed the Triton forward
         out, row_stats = jax.jit(lambda *a: triton_forward.forward(spec, *a))(
             q, k, v, q_ids, kv_ids)
@@ -489,7 +491,7 @@ def test_matches_reference(backend, case, tiles):
     if "forward" in passes:
         _check_forward(spec, case, out, row_stats, ref_out, ref_lse, tol)
     run = jax.jit(lambda *a: backend.backward(spec, *a, bwd_config))
-    grads = run(q, k, v, out, row_stats, do, dlse, q_ids, kv_ids)
+    grads = jax.block_until_ready(run(q, k, v, out, row_stats, do, dlse, q_ids, kv_ids))
     empty = ~np.isfinite(np.asarray(ref_lse))
     for name, g, ref, x in zip(("dq", "dk", "dv"), grads, ref_grads, (q, k, v)):
         assert g.dtype == x.dtype and g.shape == x.shape, (name, g.dtype, g.shape)
