@@ -7,7 +7,8 @@ optional softcap, optional sinks, optional segment ids (sorted packed documents,
 and optional per-batch lengths (0 allowed: every row padded). The test runs
 `check_against_reference` on it: O, lse, dq, dk, dv (and the sinks' gradient) against
 `reference_attention` at the shared per-dtype tolerance, and lse = -inf on exactly the rows that
-see no key.
+see no key. The default dispatch runs every dtype; the Mosaic kernels run bf16 and f16 at the
+head dims they take (interpret mode on a CPU, compiled on sm_90).
 
 `decode_attention`: each example draws one `DecodeCase`: batch 1-3, 1..16 new tokens, GQA groups
 1..16, a contiguous cache of up to 600 positions or a paged one (pages of 16, 32 or 64 in a
@@ -43,6 +44,7 @@ from hypothesis import HealthCheck, Phase, assume, given, settings
 from hypothesis import strategies as st
 
 import pallas_flash as pf
+from pallas_flash.mosaic.common import SUPPORTED_HEAD_DIMS
 from pallas_flash.mosaic.decode import DECODE_HEAD_DIMS
 from helpers import ON_GPU, assert_close, check_against_reference, random_inputs, tolerance
 # decode_attention's cache and reference (each sequence's keys moved to the end of the array).
@@ -93,6 +95,7 @@ class Case:
     q_lengths: tuple | None = None
     kv_lengths: tuple | None = None
     sinks: bool = False
+    backend: str = "auto"
     seed: int = 0
 
     def inputs(self):
@@ -144,6 +147,8 @@ def check_case(case: Case):
     # that fails any tolerance tight enough to catch kernel bugs (seen on our H200: 2.4e-3 for a
     # 1x1 case). tf32 has its own test in test_attention.py.
     extra = dict(precision="highest") if case.dtype == "float32" else {}
+    if case.backend != "auto":
+        extra["backend"] = case.backend
     kwargs = case.kwargs()
     check_against_reference(q, k, v, do, **kwargs, **extra)
     if case.sinks:
@@ -167,11 +172,18 @@ _HEAD_DIM = st.one_of(st.sampled_from([16, 32, 64, 128, 256]), st.integers(16, 2
 _WINDOW_SIDE = st.one_of(st.none(), st.integers(0, 40), st.integers(0, MAX_SEQ + 20))
 
 
+# The Mosaic kernels' draws: the head dims they take, and sequences cut to MOSAIC_MAX_SEQ (their
+# interpret mode simulates every warpgroup and barrier: a few seconds a call at that size).
+MOSAIC_MAX_SEQ = 160
+
+
 @st.composite
-def cases(draw, dtype: str):
+def cases(draw, dtype: str, backend: str = "auto"):
     batch = draw(st.integers(1, 2))
     seq_q = draw(_SEQ)
     seq_kv = draw(st.one_of(st.just(seq_q), _SEQ))
+    if backend == "mosaic":
+        seq_q, seq_kv = min(seq_q, MOSAIC_MAX_SEQ), min(seq_kv, MOSAIC_MAX_SEQ)
     window = draw(st.one_of(st.none(), st.tuples(_WINDOW_SIDE, _WINDOW_SIDE)))
     segments = draw(st.sampled_from(["none", "none", "packed", "packed", "unsorted"]))
     lengths = lambda seq: st.one_of(  # noqa: E731
@@ -183,7 +195,7 @@ def cases(draw, dtype: str):
         seq_kv=seq_kv,
         kv_heads=draw(st.integers(1, 3)),
         group=draw(st.integers(1, 3)),
-        head_dim=draw(_HEAD_DIM),
+        head_dim=draw(_HEAD_DIM if backend != "mosaic" else st.sampled_from(SUPPORTED_HEAD_DIMS)),
         causal=draw(st.booleans()),
         causal_alignment=draw(st.sampled_from(["top_left", "bottom_right"])),
         window=window,
@@ -192,6 +204,7 @@ def cases(draw, dtype: str):
         segments=segments,
         q_lengths=draw(lengths(seq_q)),
         kv_lengths=draw(lengths(seq_kv)),
+        backend=backend,
         seed=draw(st.integers(0, 2**16)),
     )
 
@@ -213,6 +226,17 @@ def fuzz_tests(check, strategy, dtypes, examples, marks=()):
 
 test_matches_reference, test_matches_reference_deep = fuzz_tests(
     check_case, cases, DTYPES, FAST_EXAMPLES)
+
+# The Mosaic kernels (the default on sm_90): interpret mode on a CPU, compiled on sm_90, where
+# random shapes also reach the edge blocks that only compiled kernels can get wrong.
+MOSAIC_DTYPES = ("bfloat16", "float16")
+MOSAIC_EXAMPLES = 3
+NEEDS_MOSAIC = pytest.mark.skipif(ON_GPU and not IS_HOPPER,
+                                  reason="the Mosaic kernels run compiled on sm_90 only")
+
+test_mosaic_matches_reference, test_mosaic_matches_reference_deep = fuzz_tests(
+    check_case, lambda dtype: cases(dtype, "mosaic"), MOSAIC_DTYPES, MOSAIC_EXAMPLES,
+    marks=[NEEDS_MOSAIC])
 
 
 # ---- pinned cases ------------------------------------------------------------------------------
@@ -356,10 +380,7 @@ test_decode_matches_reference, test_decode_matches_reference_deep = fuzz_tests(
 
 
 # The Mosaic decode kernel: interpret mode on a CPU (a few seconds a call), compiled on sm_90.
-MOSAIC_DTYPES = ("bfloat16", "float16")
 MOSAIC_DECODE_EXAMPLES = 3
-NEEDS_MOSAIC = pytest.mark.skipif(ON_GPU and not IS_HOPPER,
-                                  reason="the Mosaic kernels run compiled on sm_90 only")
 
 
 test_mosaic_decode_matches_reference, test_mosaic_decode_matches_reference_deep = fuzz_tests(
