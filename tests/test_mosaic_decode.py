@@ -77,9 +77,11 @@ def _run(dtype, batch, q_len, q_heads, kv_heads, head_dim, max_len, page_size, l
     options = dict(options)
     if options.pop("sinks", False):
         options["sinks"] = 2.0 * jax.random.normal(ks, (q_heads,), jnp.float32)
-    out, lse = pf.decode_attention(q, k_cache, v_cache, kv_lengths=kv_lengths,
-                                   block_table=table, return_lse=True, backend="mosaic",
-                                   interpret=interpret, **options)
+    # Waited for before the reference is dispatched: an operation queued while an interpreted
+    # Mosaic kernel still runs can deadlock with its callbacks (tests/helpers.py).
+    out, lse = jax.block_until_ready(pf.decode_attention(
+        q, k_cache, v_cache, kv_lengths=kv_lengths, block_table=table, return_lse=True,
+        backend="mosaic", interpret=interpret, **options))
     options.pop("num_splits", None)
     check(out, lse, *reference(q, k, v, kv_lengths, **options), dtype)
 
