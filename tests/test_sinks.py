@@ -91,7 +91,9 @@ def _sink_grads(fn, q, k, v, do, dlse, sinks, kwargs):
         out, lse = fn(q, k, v, sinks=sinks, return_lse=True, **kwargs)
         return (jnp.sum(out.astype(jnp.float32) * do)
                 + jnp.sum(jnp.where(jnp.isfinite(lse), lse * dlse, 0.0)))
-    return jax.grad(loss)(sinks)
+    # Waited for, so that nothing is dispatched while an interpreted Mosaic kernel still runs
+    # (tests/helpers.py, outputs_and_grads).
+    return jax.block_until_ready(jax.grad(loss)(sinks))
 
 
 @pytest.mark.skipif(ON_GPU and not IS_HOPPER, reason="Mosaic GPU kernel needs sm_90")
