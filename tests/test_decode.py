@@ -72,7 +72,8 @@ def check_traced_bad_pages(q, cache, lengths, options, bad, ignored, **call):
     step = jax.jit(lambda t, n: pf.decode_attention(q, k_cache, v_cache, kv_lengths=n,
                                                     block_table=t, return_lse=True, **options,
                                                     **call))
-    out, lse = step(jnp.asarray(table), kv_lengths)
+    # Waited for before anything else is dispatched (tests/helpers.py, outputs_and_grads).
+    out, lse = jax.block_until_ready(step(jnp.asarray(table), kv_lengths))
     poisoned = sorted({b for b, _, _ in bad})
     for b in poisoned:
         assert np.isnan(np.asarray(out[b], np.float32)).all(), f"sequence {b}: O is not all NaN"
