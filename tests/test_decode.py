@@ -48,6 +48,13 @@ def make_cache(key, batch, max_len, kv_heads, head_dim, dtype, page_size=None):
     return scatter(k), scatter(v), table, k, v
 
 
+def pages_past_lengths_out_of_range(table, kv_lengths, page_size):
+    """The table with the entries of pages past each sequence's length set to an id outside
+    the cache: they are never read, so any value must do."""
+    past = jnp.arange(table.shape[1])[None, :] * page_size >= kv_lengths[:, None]
+    return jnp.where(past, jnp.int32(10 ** 6), table)
+
+
 def gather_pages(cache, table):
     """The contiguous [batch, max_len, kv_heads, head_dim] view of a paged cache."""
     pages = cache[table]  # [batch, pages_per_seq, page_size, kv_heads, head_dim]
@@ -164,9 +171,7 @@ def test_matches_reference(dtype, batch, q_len, q_heads, kv_heads, head_dim, max
     kv_lengths = jnp.array(lengths, jnp.int32)
     if table is not None:
         np.testing.assert_array_equal(gather_pages(k_cache, table), k)
-        # Entries of pages past a sequence's length are never read: make them out of range.
-        past = jnp.arange(table.shape[1])[None, :] * page_size >= kv_lengths[:, None]
-        table = jnp.where(past, jnp.int32(10 ** 6), table)
+        table = pages_past_lengths_out_of_range(table, kv_lengths, page_size)
     options = dict(options)
     if options.pop("sinks", False):
         options["sinks"] = 2.0 * jax.random.normal(ks, (q_heads,), jnp.float32)

@@ -44,11 +44,13 @@ from hypothesis import HealthCheck, Phase, assume, given, settings
 from hypothesis import strategies as st
 
 import pallas_flash as pf
+from pallas_flash import dense_mask
 from pallas_flash.mosaic.common import SUPPORTED_HEAD_DIMS
 from pallas_flash.mosaic.decode import DECODE_HEAD_DIMS
 from helpers import ON_GPU, assert_close, check_against_reference, random_inputs, tolerance
 # decode_attention's cache and reference (each sequence's keys moved to the end of the array).
-from test_decode import IS_HOPPER, _normal, check, make_cache, reference
+from test_decode import (IS_HOPPER, _normal, check, make_cache, pages_past_lengths_out_of_range,
+                         reference)
 from test_sinks import _sink_grads
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -316,15 +318,12 @@ def check_decode_case(case: DecodeCase):
                                                case.head_dim, dtype, case.page_size)
     kv_lengths = jnp.asarray(case.lengths, jnp.int32)
     if table is not None:
-        past = jnp.arange(table.shape[1])[None, :] * case.page_size >= kv_lengths[:, None]
-        table = jnp.where(past, jnp.int32(10 ** 6), table)
+        table = pages_past_lengths_out_of_range(table, kv_lengths, case.page_size)
     options = case.options()
     if case.sinks:
         options["sinks"] = 2.0 * jax.random.normal(ks, (q_heads,), jnp.float32)
     try:
-        # Waited for before anything else is dispatched: an eager op queued while an
-        # interpreted Mosaic kernel still runs can wait on the kernel while the kernel's own
-        # callbacks wait behind it.
+        # Waited for before the reference is dispatched (tests/helpers.py, outputs_and_grads).
         out, lse = jax.block_until_ready(pf.decode_attention(
             q, k_cache, v_cache, kv_lengths=kv_lengths, block_table=table,
             num_splits=case.num_splits, return_lse=True, backend=case.backend, **options))
@@ -437,8 +436,6 @@ def dense_masks(draw):
 @given(drawn=dense_masks())
 @_settings(MASK_EXAMPLES)
 def test_dense_masks_are_served_exactly(drawn):
-    from pallas_flash import dense_mask
-
     mask, is_causal, structured = drawn
     _, _, seq_q, seq_kv = mask.shape
     batch = 2

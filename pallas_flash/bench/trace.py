@@ -133,6 +133,5 @@ def smaller_time(wall: float, gpu_times: list[float] | None) -> tuple[float, str
     """(time, "wall" or "gpu"): the smaller of a wall-clock time and the median of GPU times
     (the same unit). Each bounds the kernels' own time from above: the wall clock includes the
     host's dispatch where that sets the pace, the trace the profiler's overhead."""
-    if gpu_times and statistics.median(gpu_times) < wall:
-        return statistics.median(gpu_times), "gpu"
-    return wall, "wall"
+    gpu = statistics.median(gpu_times) if gpu_times else None
+    return (gpu, "gpu") if gpu is not None and gpu < wall else (wall, "wall")
