@@ -487,3 +487,59 @@ def test_wide_lengths_are_clipped_not_wrapped(x64):
     run = lambda n: pf.decode_attention(q, cache, cache, kv_lengths=n, interpret=True)  # noqa: E731
     np.testing.assert_array_equal(np.asarray(run(jnp.array([2**32 + 4], jnp.int64))),
                                   np.asarray(run(jnp.array([32], jnp.int32))))
+
+
+def combine_plan(batch, q_len, q_heads, kv_heads, head_dim, num_splits, interpret):
+    """A DecodePlan for the combine alone (its other fields are never read there)."""
+    group = q_heads // kv_heads
+    return decode.DecodePlan(
+        batch=batch, q_len=q_len, q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim,
+        group=group, rows=q_len * group, max_len=num_splits * 64, pages_per_seq=None,
+        page_size=None, num_splits=num_splits, chunk=64, scale=head_dim ** -0.5, softcap=None,
+        window_left=None, dtype=jnp.dtype(jnp.bfloat16), interpret=interpret)
+
+
+@pytest.mark.parametrize("d_major", [False, True], ids=["row-major", "d-major"])
+@pytest.mark.parametrize("batch,q_len,q_heads,kv_heads,head_dim,num_splits", [
+    (2, 3, 16, 2, 80, 5),     # GQA 8, three tokens, head_dim short of its power of two
+    (1, 2, 12, 2, 64, 21),    # GQA 6 (not a power of two), two rounds of splits
+    (1, 4, 64, 1, 128, 16),   # MQA: 64 columns a token, fewer splits a round
+    (2, 5, 4, 4, 32, 3),      # MHA: one column a token
+])
+def test_combine_merges_partials_exactly(d_major, batch, q_len, q_heads, kv_heads, head_dim,
+                                         num_splits):
+    # The combine alone, on random partials: empty splits (lse -inf, O 0) here and there, one
+    # row empty in every split, and NaN in the d-major padding columns past the packed rows,
+    # which it must never read. Against the merge written out in float64 numpy.
+    from pallas_flash.triton import decode as triton_decode
+    plan = combine_plan(batch, q_len, q_heads, kv_heads, head_dim, num_splits, not ON_GPU)
+    rows, splits = plan.rows, num_splits
+    ko, kl, ke = jax.random.split(jax.random.key(7), 3)
+    o = jax.random.normal(ko, (batch, kv_heads, splits, rows, head_dim), jnp.float32)
+    lse = 4.0 * jax.random.normal(kl, (batch, kv_heads, splits, rows), jnp.float32)
+    empty = jax.random.bernoulli(ke, 0.3, lse.shape).at[0, 0, :, rows - 1].set(True)
+    lse = jnp.where(empty, -jnp.inf, lse)
+    o = jnp.where(empty[..., None], 0.0, o)
+    if d_major:
+        n = -(-rows // 8) * 8 + 8   # wider than the rows, as the keys-as-M kernel's n can be
+        o_in = jnp.full((batch, kv_heads, splits, head_dim, n), jnp.nan, jnp.float32)
+        o_in = o_in.at[..., :rows].set(jnp.swapaxes(o, -1, -2))
+        lse_in = jnp.full((batch, kv_heads, splits, n), jnp.nan, jnp.float32)
+        lse_in = lse_in.at[..., :rows].set(lse)
+    else:
+        o_in, lse_in = o, lse
+    out, out_lse = triton_decode.combine(plan, o_in, lse_in, jnp.float32, d_major=d_major)
+    out, out_lse = jax.block_until_ready((out, out_lse))
+
+    o64, lse64 = np.asarray(o, np.float64), np.asarray(lse, np.float64)
+    with np.errstate(invalid="ignore"):
+        want_lse = np.logaddexp.reduce(lse64, axis=2)          # [batch, kv_heads, rows]
+        weights = np.nan_to_num(np.exp(lse64 - want_lse[:, :, None]))
+    want = np.einsum("bhsr,bhsrd->bhrd", weights, o64)
+    # Packed row t * group + j of kv head h is query head h * group + j of token t.
+    want = want.reshape(batch, kv_heads, q_len, plan.group, head_dim)
+    want = want.transpose(0, 2, 1, 3, 4).reshape(batch, q_len, q_heads, head_dim)
+    np.testing.assert_allclose(np.asarray(out), want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(out_lse), want_lse, rtol=1e-5, atol=1e-5)
+    assert np.isneginf(np.asarray(out_lse)[0, 0, rows - 1])
+    assert not np.isnan(np.asarray(out)).any()

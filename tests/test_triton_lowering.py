@@ -179,3 +179,24 @@ def test_decode_lowers(dtype, batch, q_len, q_heads, kv_heads, head_dim, page_si
     kernels = triton_kernels(call, shape(batch, q_len, q_heads, head_dim, dtype=dtype), cache,
                              shape(batch, dtype=jnp.int32), table, sinks)
     assert kernels == ([DECODE] if options.get("num_splits") == 1 else [DECODE, COMBINE])
+
+
+@pytest.mark.parametrize("q_len,q_heads,kv_heads,head_dim,num_splits", [
+    (1, 32, 8, 128, 16), (4, 64, 8, 128, 16), (3, 12, 2, 80, 21), (2, 64, 1, 256, 7),
+    (5, 4, 4, 32, 3),
+], ids=["gqa4", "gqa8-q4", "gqa6-d80", "mqa-d256", "mha"])
+def test_d_major_combine_lowers(q_len, q_heads, kv_heads, head_dim, num_splits):
+    """The combine of the Mosaic keys-as-M kernel's d-major partials (which only an sm_90 run
+    reaches through decode_attention): its 3-D loads and per-token blocks of columns."""
+    from pallas_flash.triton import decode as triton_decode
+    from test_decode import combine_plan
+    plan = combine_plan(2, q_len, q_heads, kv_heads, head_dim, num_splits, interpret=False)
+    rows = plan.rows
+    n = -(-rows // 8) * 8
+
+    def call(o, lse):
+        return triton_decode.combine(plan, o, lse, jnp.bfloat16, d_major=True)
+
+    kernels = triton_kernels(call, shape(2, kv_heads, num_splits, head_dim, n, dtype=jnp.float32),
+                             shape(2, kv_heads, num_splits, n, dtype=jnp.float32))
+    assert kernels == [COMBINE]
