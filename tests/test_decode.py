@@ -511,6 +511,7 @@ def test_combine_merges_partials_exactly(d_major, batch, q_len, q_heads, kv_head
     # The combine alone, on random partials: empty splits (lse -inf, O 0) here and there, one
     # row empty in every split, and NaN in the d-major padding columns past the packed rows,
     # which it must never read. Against the merge written out in float64 numpy.
+    from pallas_flash.mosaic.decode import keys_n
     from pallas_flash.triton import decode as triton_decode
     plan = combine_plan(batch, q_len, q_heads, kv_heads, head_dim, num_splits, not ON_GPU)
     rows, splits = plan.rows, num_splits
@@ -521,7 +522,7 @@ def test_combine_merges_partials_exactly(d_major, batch, q_len, q_heads, kv_head
     lse = jnp.where(empty, -jnp.inf, lse)
     o = jnp.where(empty[..., None], 0.0, o)
     if d_major:
-        n = -(-rows // 8) * 8 + 8   # wider than the rows, as the keys-as-M kernel's n can be
+        n = keys_n(rows) + 8   # wider than the rows, as the keys-as-M kernel's n can be
         o_in = jnp.full((batch, kv_heads, splits, head_dim, n), jnp.nan, jnp.float32)
         o_in = o_in.at[..., :rows].set(jnp.swapaxes(o, -1, -2))
         lse_in = jnp.full((batch, kv_heads, splits, n), jnp.nan, jnp.float32)

@@ -186,13 +186,13 @@ def test_decode_lowers(dtype, batch, q_len, q_heads, kv_heads, head_dim, page_si
     (5, 4, 4, 32, 3),
 ], ids=["gqa4", "gqa8-q4", "gqa6-d80", "mqa-d256", "mha"])
 def test_d_major_combine_lowers(q_len, q_heads, kv_heads, head_dim, num_splits):
-    """The combine of the Mosaic keys-as-M kernel's d-major partials (which only an sm_90 run
-    reaches through decode_attention): its 3-D loads and per-token blocks of columns."""
+    """The combine of the Mosaic keys-as-M kernel's d-major partials [..., head_dim, n], which
+    only an sm_90 run reaches through decode_attention."""
+    from pallas_flash.mosaic.decode import keys_n
     from pallas_flash.triton import decode as triton_decode
     from test_decode import combine_plan
     plan = combine_plan(2, q_len, q_heads, kv_heads, head_dim, num_splits, interpret=False)
-    rows = plan.rows
-    n = -(-rows // 8) * 8
+    n = keys_n(plan.rows)
 
     def call(o, lse):
         return triton_decode.combine(plan, o, lse, jnp.bfloat16, d_major=True)
