@@ -16,10 +16,15 @@ that is read (a traced block table is not checked before the call) is gathered a
 the gather stays inside the cache, and the program adds NaN to its O and lse: every row of
 that sequence comes out NaN instead of an answer from the wrong page.
 
-Combine ("pallas_flash_decode_combine"). Grid: (batch, kv_heads * rows), a packed row each. Merges the splits
-exactly, one at a time: lse = log sum_s exp(lse_s), O = sum_s exp(lse_s - lse) O_s, with the
-weights taken against 0 while every split is empty, so such a row stays O = 0, lse = -inf. A
-split whose lse is NaN (a page outside the cache) makes the row's O and lse NaN.
+Combine ("pallas_flash_decode_combine"). Merges the splits exactly: lse = log sum_s exp(lse_s),
+O = sum_s exp(lse_s - lse) O_s, a block of splits per round of loads against a running max, with
+the weights taken against 0 while every split is empty, so such a row stays O = 0, lse = -inf.
+A split whose lse is NaN (a page outside the cache) makes the row's O and lse NaN. Row-major
+partials [..., rows, head_dim] (this module's): grid (batch, kv_heads * rows), a packed row
+each, whose O row is contiguous. d-major partials [..., head_dim, n] (the Mosaic keys-as-M
+kernel's): grid (batch, kv_heads * q_len, head_dim blocks), one new token's group of packed rows
+each, which are adjacent columns there: a program reading a single row would take one element
+per row of O^T, a memory sector each.
 """
 
 from __future__ import annotations
@@ -256,7 +261,7 @@ def partial(plan, q_packed, k_cache, v_cache, kv_lengths, block_table):
 
 
 def _combine_kernel(o_ref, lse_ref, out_ref, out_lse_ref, *, plan, split_block: int,
-                    d_pad: int, d_major: bool):
+                    d_pad: int):
     # One packed row per program: its splits' lse and O rows are read split_block at a time,
     # so a few splits need one round of loads, not one load after another per split.
     row = lax.rem(pl.program_id(1), jnp.int32(plan.rows))
@@ -271,8 +276,8 @@ def _combine_kernel(o_ref, lse_ref, out_ref, out_lse_ref, *, plan, split_block: 
         ok = _positions(first, split_block) < plan.num_splits
         splits = pl.ds(first, split_block)
         part_lse = plgpu.load(lse_ref.at[splits, row], mask=ok, other=-jnp.inf)
-        o_rows = o_ref.at[splits, all_cols, row] if d_major else o_ref.at[splits, row, all_cols]
-        part = plgpu.load(o_rows, mask=ok[:, None] & cols[None, :], other=0.0)
+        part = plgpu.load(o_ref.at[splits, row, all_cols], mask=ok[:, None] & cols[None, :],
+                          other=0.0)
         new_top = jnp.maximum(top, jnp.max(part_lse))
         anchor = jnp.where(new_top == -jnp.inf, 0.0, new_top)
         old = jnp.exp(top - anchor)
@@ -294,6 +299,54 @@ def _combine_kernel(o_ref, lse_ref, out_ref, out_lse_ref, *, plan, split_block: 
     plgpu.store(out_lse_ref.at[pl.ds(row, 1)], lse[None])
 
 
+def _combine_columns_kernel(o_ref, lse_ref, out_ref, out_lse_ref, *, plan, split_block: int,
+                            d_block: int, g_pad: int):
+    # Program (b, h * q_len + t, c): new token t of kv head h, head_dim columns
+    # [c * d_block, (c + 1) * d_block). Its packed rows t * group + j (j < group) are adjacent
+    # columns of the d-major partials, so each load reads g_pad of them side by side.
+    i, c = pl.program_id(1), pl.program_id(2)
+    group = plan.group
+    first_col = lax.rem(i, jnp.int32(plan.q_len)) * group
+    cols = pl.ds(first_col, g_pad)
+    col_ok = jnp.arange(g_pad, dtype=jnp.int32) < group
+    dims = pl.ds(c * d_block, d_block)
+    dim_ok = _positions(c * d_block, d_block) < plan.head_dim
+
+    def add(chunk, carry):
+        # As _combine_kernel's merge, one running max per column.
+        acc, top, total = carry
+        first = chunk * split_block
+        ok = _positions(first, split_block) < plan.num_splits
+        splits = pl.ds(first, split_block)
+        part_lse = plgpu.load(lse_ref.at[splits, cols], mask=ok[:, None] & col_ok[None, :],
+                              other=-jnp.inf)
+        part = plgpu.load(o_ref.at[splits, dims, cols],
+                          mask=ok[:, None, None] & dim_ok[None, :, None] & col_ok[None, None, :],
+                          other=0.0)
+        new_top = jnp.maximum(top, jnp.max(part_lse, axis=0))
+        anchor = jnp.where(new_top == -jnp.inf, 0.0, new_top)
+        old = jnp.exp(top - anchor)
+        weight = jnp.exp(part_lse - anchor[None, :])
+        return (acc * old[None, :] + jnp.sum(part * weight[:, None, :], axis=0), new_top,
+                total * old + jnp.sum(weight, axis=0))
+
+    init = (jnp.zeros((d_block, g_pad), jnp.float32), jnp.full((g_pad,), -jnp.inf, jnp.float32),
+            jnp.zeros((g_pad,), jnp.float32))
+    acc, top, total = lax.fori_loop(0, pl.cdiv(plan.num_splits, split_block), add, init)
+    empty = total == 0.0   # NaN stays NaN, as in _combine_kernel
+    out = acc / jnp.where(empty, 1.0, total)[None, :]
+    # Row t * group + j is query head h * group + j of token t (the out block is token t's).
+    heads = pl.ds(lax.div(i, jnp.int32(plan.q_len)) * group, g_pad)
+    plgpu.store(out_ref.at[heads, dims], out.T.astype(out_ref.dtype),
+                mask=col_ok[:, None] & dim_ok[None, :])
+
+    @pl.when(c == 0)
+    def _lse():
+        lse = jnp.where(empty, -jnp.inf, jnp.where(top == -jnp.inf, 0.0, top)
+                        + jnp.log(jnp.where(empty, 1.0, total)))
+        plgpu.store(out_lse_ref.at[cols], lse, mask=col_ok)
+
+
 def _query_row(b, i, *, rows: int, g: int):
     """The output block (one row of head_dim) of the combine's program (b, i): packed row
     r = i % rows of kv head h = i // rows is new token r // g, query head h * g + r % g."""
@@ -305,6 +358,10 @@ def _query_row(b, i, *, rows: int, g: int):
 # registers; the default split counts need one round from batch x kv_heads = 8 up, more below
 # (33 splits at batch 1 with 4 kv heads and 128k keys: three rounds).
 COMBINE_SPLITS = 16
+# float32 elements of O^T a d-major combine program loads per round (16 a thread at 4 warps):
+# head_dim is cut into blocks to keep the splits' round whole, and the blocks spread the merge
+# over more programs (at GQA 8 with 4 new tokens, 16 columns of 8 rows by 16 splits).
+COLUMNS_ROUND = 2048
 
 
 def combine(plan, o_part, lse_part, out_dtype, d_major: bool = False):
@@ -317,21 +374,39 @@ def combine(plan, o_part, lse_part, out_dtype, d_major: bool = False):
     follows the kernel when q_len > 1. lse stays packed (it is needed only with return_lse)."""
     d_pad = common.padded_head_dim(plan.head_dim)
     split_block = min(COMBINE_SPLITS, pl.next_power_of_2(plan.num_splits))
-    kernel = functools.partial(_combine_kernel, plan=plan, split_block=split_block, d_pad=d_pad,
-                               d_major=d_major)
     s, rows, g = plan.num_splits, plan.rows, plan.group
-    n = o_part.shape[-1] if d_major else rows
-    o_block = (None, None, s, d_pad, n) if d_major else (None, None, s, rows, d_pad)
+    out_shape = [jax.ShapeDtypeStruct((plan.batch, plan.q_len, plan.q_heads, plan.head_dim),
+                                      out_dtype),
+                 jax.ShapeDtypeStruct((plan.batch, plan.kv_heads, rows), lse_part.dtype)]
+    if d_major:
+        n = o_part.shape[-1]
+        g_pad = pl.next_power_of_2(g)
+        split_block = max(1, min(split_block, COLUMNS_ROUND // (common.MIN_TILE * g_pad)))
+        d_block = min(d_pad, max(common.MIN_TILE, COLUMNS_ROUND // (split_block * g_pad)))
+        kernel = functools.partial(_combine_columns_kernel, plan=plan, split_block=split_block,
+                                   d_block=d_block, g_pad=g_pad)
+        q_len = plan.q_len
+        grid = (plan.batch, plan.kv_heads * q_len, d_pad // d_block)
+        in_specs = [pl.BlockSpec((None, None, s, d_pad, n), lambda b, i, c: (b, i // q_len, 0, 0, 0)),
+                    pl.BlockSpec((None, None, s, n), lambda b, i, c: (b, i // q_len, 0, 0))]
+        out_specs = [pl.BlockSpec((None, None, plan.q_heads, d_pad),
+                                  lambda b, i, c: (b, i % q_len, 0, 0)),
+                     pl.BlockSpec((None, None, rows), lambda b, i, c: (b, i // q_len, 0))]
+    else:
+        kernel = functools.partial(_combine_kernel, plan=plan, split_block=split_block,
+                                   d_pad=d_pad)
+        grid = (plan.batch, plan.kv_heads * rows)
+        in_specs = [pl.BlockSpec((None, None, s, rows, d_pad), lambda b, i: (b, i // rows, 0, 0, 0)),
+                    pl.BlockSpec((None, None, s, rows), lambda b, i: (b, i // rows, 0, 0))]
+        out_specs = [pl.BlockSpec((None, None, None, d_pad),
+                                  functools.partial(_query_row, rows=rows, g=g)),
+                     pl.BlockSpec((None, None, rows), lambda b, i: (b, i // rows, 0))]
     return pl.pallas_call(
         kernel,
-        grid=(plan.batch, plan.kv_heads * rows),
-        in_specs=[pl.BlockSpec(o_block, lambda b, i: (b, i // rows, 0, 0, 0)),
-                  pl.BlockSpec((None, None, s, n), lambda b, i: (b, i // rows, 0, 0))],
-        out_specs=[pl.BlockSpec((None, None, None, d_pad), functools.partial(_query_row, rows=rows, g=g)),
-                   pl.BlockSpec((None, None, rows), lambda b, i: (b, i // rows, 0))],
-        out_shape=[jax.ShapeDtypeStruct((plan.batch, plan.q_len, plan.q_heads, plan.head_dim),
-                                        out_dtype),
-                   jax.ShapeDtypeStruct((plan.batch, plan.kv_heads, rows), lse_part.dtype)],
+        grid=grid,
+        in_specs=in_specs,
+        out_specs=out_specs,
+        out_shape=out_shape,
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
         interpret=plan.interpret,
         name="pallas_flash_decode_combine",
