@@ -370,7 +370,7 @@ def combine(plan, o_part, lse_part, out_dtype, d_major: bool = False):
     n >= rows (the Mosaic keys-as-M kernel's), read in place.
 
     O comes out in the caller's layout: packed row t * group + g of kv head h is query head
-    h * group + g of new token t, and each program writes its row there, so that no transpose
+    h * group + g of new token t, and each program writes its rows there, so that no transpose
     follows the kernel when q_len > 1. lse stays packed (it is needed only with return_lse)."""
     d_pad = common.padded_head_dim(plan.head_dim)
     split_block = min(COMBINE_SPLITS, pl.next_power_of_2(plan.num_splits))
