@@ -96,6 +96,25 @@ def _sink_grads(fn, q, k, v, do, dlse, sinks, kwargs):
     return jax.block_until_ready(jax.grad(loss)(sinks))
 
 
+def assert_sink_grads_close(got, q, k, v, do, dlse, sinks, kwargs, tol):
+    """The sinks' gradient `got` against the float32 reference's, for inputs in a low dtype.
+
+    A head's gradient is a sum over batch and rows of terms of either sign, -exp(sink - lse_i)
+    D_i, and D_i = rowsum(dO_i O_i) - dlse_i is formed from O as the forward stored it, in the
+    input dtype (as every FlashAttention backward forms it). That rounding errs by a fraction
+    of the terms' magnitudes, and the sum can cancel to far less than them (a bf16 draw with
+    16 rows: terms summing to 0.0068 in magnitude 0.149), so the error is measured against the
+    norm of each head's sum of |terms| at the dtype's usual tolerance, not against the sum."""
+    up = lambda x: x.astype(jnp.float32)  # noqa: E731
+    want = _sink_grads(pf.reference_attention, up(q), up(k), up(v), up(do), dlse, sinks, kwargs)
+    out, lse = pf.reference_attention(up(q), up(k), up(v), sinks=sinks, return_lse=True,
+                                      **kwargs)
+    big_d = jnp.einsum("bqhd,bqhd->bhq", up(do), out) - dlse
+    magnitude = jnp.sum(jnp.abs(jnp.exp(sinks[None, :, None] - lse) * big_d), axis=(0, 2))
+    floor = float(jnp.linalg.norm(magnitude)) / np.sqrt(magnitude.size)
+    assert_close("d sinks", got, want, tol, floor=floor)
+
+
 @pytest.mark.skipif(ON_GPU and not IS_HOPPER, reason="Mosaic GPU kernel needs sm_90")
 @pytest.mark.parametrize("opts", VARIANTS[1:2] + VARIANTS[5:6])
 def test_mosaic_matches_reference(opts):
@@ -109,9 +128,7 @@ def test_mosaic_matches_reference(opts):
     check_against_reference(q, k, v, do, sinks=sinks, **run, **kwargs)
     dlse = jax.random.normal(keys[3], (2, 4, 100), jnp.float32)
     got = _sink_grads(pf.flash_attention, q, k, v, do, dlse, sinks, kwargs | run)
-    up = lambda x: x.astype(jnp.float32)  # noqa: E731
-    want = _sink_grads(pf.reference_attention, up(q), up(k), up(v), up(do), dlse, sinks, kwargs)
-    assert_close("d sinks", got, want, tolerance(jnp.bfloat16))
+    assert_sink_grads_close(got, q, k, v, do, dlse, sinks, kwargs, tolerance(jnp.bfloat16))
 
 
 def test_extreme_sinks_stay_finite():
