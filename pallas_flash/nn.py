@@ -302,6 +302,8 @@ def dot_product_attention(
     is_causal = bool(is_causal)
     return_residual = bool(return_residual)
     mask4 = None if mask is None else _mask(mask, (batch, q_heads, seq_q, seq_kv))
+    if bias is not None:
+        _check_bias(bias, (batch, q_heads, seq_q, seq_kv))
 
     reasons = _unsupported(query.dtype, max(head_dim, v4.shape[3]), bias, scale, window)
     if reasons:
@@ -439,18 +441,27 @@ def _lengths(name, lengths, batch):
     return lengths.astype(jnp.int32)
 
 
+def _check_broadcastable(name, x, full_shape):
+    if x.ndim > 4 or any(d not in (1, f) for d, f in zip(x.shape[::-1], full_shape[::-1])):
+        raise ValueError(
+            f"{name} must be broadcastable to [B, N, T, S] = {full_shape} with rank at most 4, "
+            f"got shape {x.shape}"
+        )
+
+
 def _mask(mask, full_shape):
     """The mask as a rank-4 boolean array, each dim 1 or that of [B, N, T, S]."""
     mask = jnp.asarray(mask)
     if mask.dtype != jnp.bool_:
         raise ValueError(f"mask must be a boolean array (True = attend), got dtype {mask.dtype}")
-    if mask.ndim > 4 or any(d not in (1, f) for d, f in
-                            zip(mask.shape[::-1], full_shape[::-1])):
-        raise ValueError(
-            f"mask must be broadcastable to [B, N, T, S] = {full_shape} with rank at most 4, "
-            f"got shape {mask.shape}"
-        )
+    _check_broadcastable("mask", mask, full_shape)
     return mask.reshape((1,) * (4 - mask.ndim) + mask.shape)
+
+
+def _check_bias(bias, full_shape):
+    """A bias goes to jax.nn, whose own error for a misshapen one is a TypeError from inside
+    its arithmetic, which names no argument."""
+    _check_broadcastable("bias", jnp.asarray(bias), full_shape)
 
 
 def _window(local_window_size):

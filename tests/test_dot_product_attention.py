@@ -520,6 +520,15 @@ def test_error_mask():
             mask=jnp.ones((1, 4, 4, 4), bool))
 
 
+def test_error_bias():
+    """A bias that does not broadcast to the logits fails before jax.nn's arithmetic does."""
+    q, k, v = _small()
+    _raises(r"bias must be broadcastable to \[B, N, T, S\] = \(1, 2, 4, 4\) with rank at most "
+            r"4, got shape \(4, 5\)", q, k, v, bias=jnp.ones((4, 5)))
+    _raises(r"bias must be broadcastable .* got shape \(1, 1, 1, 4, 4\)", q, k, v,
+            bias=jnp.ones((1, 1, 1, 4, 4)))
+
+
 @pytest.mark.parametrize("cap", [0.0, -1.0, float("inf"), float("nan"), True, "5", (5.0,)])
 def test_error_logits_soft_cap(cap):
     _raises(r"logits_soft_cap must be None or a positive float", *_small(), logits_soft_cap=cap)
