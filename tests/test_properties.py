@@ -27,8 +27,9 @@ database), and the tests are split by dtype, so that pytest-xdist spreads them o
 off: a failure reports the drawn case as it is (its repr is valid Python); paste it into PINNED
 below so that it stays covered. The `_deep` tests (marked slow) draw 50 per dtype. Set
 PALLAS_FLASH_FUZZ_EXAMPLES=N to run N flash_attention examples per dtype in the fast test
-instead (and half as many decode examples), and PALLAS_FLASH_FUZZ_SHRINK=1 to let Hypothesis
-shrink a failure to a smaller case first.
+instead (and half as many decode examples), PALLAS_FLASH_FUZZ_SHRINK=1 to let Hypothesis
+shrink a failure to a smaller case first, and PALLAS_FLASH_FUZZ_FRESH=1 to draw new cases on
+every run instead of the fixed ones (for a long hunt, with a large N).
 """
 
 from __future__ import annotations
@@ -67,9 +68,12 @@ if os.environ.get("PALLAS_FLASH_FUZZ_SHRINK") == "1":
     _PHASES += (Phase.shrink,)
 
 
+_FRESH = os.environ.get("PALLAS_FLASH_FUZZ_FRESH") == "1"
+
+
 def _settings(max_examples):
-    return settings(max_examples=max_examples, deadline=None, derandomize=True, database=None,
-                    phases=_PHASES, print_blob=False,
+    return settings(max_examples=max_examples, deadline=None, derandomize=not _FRESH,
+                    database=None, phases=_PHASES, print_blob=False,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
 
