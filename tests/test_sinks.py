@@ -68,21 +68,10 @@ def test_sink_gradient_matches_reference_and_the_closed_form(opts):
     sinks = _sinks(keys[2], 4)
     dlse = jax.random.normal(keys[3], (2, 4, 33), jnp.float32)
 
-    def grads(fn):
-        def loss(sinks):
-            out, lse = fn(q, k, v, sinks=sinks, return_lse=True, **kwargs)
-            return (jnp.sum(out.astype(jnp.float32) * do)
-                    + jnp.sum(jnp.where(jnp.isfinite(lse), lse * dlse, 0.0)))
-        return jax.grad(loss)(sinks)
-
-    got = grads(pf.flash_attention)
-    want = grads(pf.reference_attention)
+    got = _sink_grads(pf.flash_attention, q, k, v, do, dlse, sinks, kwargs)
+    want = _sink_grads(pf.reference_attention, q, k, v, do, dlse, sinks, kwargs)
     assert_close("d sinks", got, want, tolerance(jnp.float32))
-    # The closed form: -sum over batch and rows of exp(sink - lse_i) * D_i, with
-    # D_i = rowsum(dO_i * O_i) - dlse_i.
-    out, lse = pf.reference_attention(q, k, v, sinks=sinks, return_lse=True, **kwargs)
-    big_d = jnp.einsum("bqhd,bqhd->bhq", do, out) - dlse
-    closed = -jnp.sum(jnp.exp(sinks[None, :, None] - lse) * big_d, axis=(0, 2))
+    closed = jnp.sum(_sink_grad_terms(q, k, v, do, dlse, sinks, kwargs), axis=(0, 2))
     assert_close("d sinks, closed form", got, closed, tolerance(jnp.float32))
 
 
@@ -96,21 +85,29 @@ def _sink_grads(fn, q, k, v, do, dlse, sinks, kwargs):
     return jax.block_until_ready(jax.grad(loss)(sinks))
 
 
-def assert_sink_grads_close(got, q, k, v, do, dlse, sinks, kwargs, tol):
-    """The sinks' gradient `got` against the float32 reference's, for inputs in a low dtype.
-
-    A head's gradient is a sum over batch and rows of terms of either sign, -exp(sink - lse_i)
-    D_i, and D_i = rowsum(dO_i O_i) - dlse_i is formed from O as the forward stored it, in the
-    input dtype (as every FlashAttention backward forms it). That rounding errs by a fraction
-    of the terms' magnitudes, and the sum can cancel to far less than them (a bf16 draw with
-    16 rows: terms summing to 0.0068 in magnitude 0.149), so the error is measured against the
-    norm of each head's sum of |terms| at the dtype's usual tolerance, not against the sum."""
+def _sink_grad_terms(q, k, v, do, dlse, sinks, kwargs):
+    """The reference's terms of the sinks' gradient, [batch, q_heads, seq_q] in float32: the
+    closed form -exp(sink - lse_i) * D_i, with D_i = rowsum(dO_i * O_i) - dlse_i, whose sum
+    over batch and rows is the gradient."""
     up = lambda x: x.astype(jnp.float32)  # noqa: E731
-    want = _sink_grads(pf.reference_attention, up(q), up(k), up(v), up(do), dlse, sinks, kwargs)
     out, lse = pf.reference_attention(up(q), up(k), up(v), sinks=sinks, return_lse=True,
                                       **kwargs)
     big_d = jnp.einsum("bqhd,bqhd->bhq", up(do), out) - dlse
-    magnitude = jnp.sum(jnp.abs(jnp.exp(sinks[None, :, None] - lse) * big_d), axis=(0, 2))
+    return -jnp.exp(sinks[None, :, None] - lse) * big_d
+
+
+def assert_sink_grads_close(got, q, k, v, do, dlse, sinks, kwargs, tol):
+    """The sinks' gradient `got` against the float32 reference's, for inputs in a low dtype.
+
+    A head's gradient is a sum of terms of either sign (`_sink_grad_terms`), whose D_i is
+    formed from O as the forward stored it, in the input dtype (as every FlashAttention
+    backward forms it). That rounding errs by a fraction of the terms' magnitudes, and the sum
+    can cancel to far less than them (PINNED["sink_gradient_cancels"] in test_properties), so
+    the error is measured against the norm of each head's sum of |terms| at the dtype's usual
+    tolerance, not against the sum."""
+    up = lambda x: x.astype(jnp.float32)  # noqa: E731
+    want = _sink_grads(pf.reference_attention, up(q), up(k), up(v), up(do), dlse, sinks, kwargs)
+    magnitude = jnp.sum(jnp.abs(_sink_grad_terms(q, k, v, do, dlse, sinks, kwargs)), axis=(0, 2))
     floor = float(jnp.linalg.norm(magnitude)) / np.sqrt(magnitude.size)
     assert_close("d sinks", got, want, tol, floor=floor)
 
