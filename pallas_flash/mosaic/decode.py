@@ -52,8 +52,8 @@ Unseen rows: a masked block may hold cache rows no query of the CTA sees (stale 
 kv_length in a recycled cache, the rest of a clamped page, rows before the window), whose
 contents are arbitrary. Their K only reaches masked logits, which a select replaces by -inf.
 Their V would reach every row through the P V product, where P = 0 does not help (0 * NaN is
-NaN on the tensor cores), so in masked blocks those V rows are set to 0 in shared memory
-before the product; unmasked blocks hold none and run as they are.
+NaN on the tensor cores), so in a masked block that holds any (`_zero_unseen_values`) those V rows
+are set to 0 in shared memory before the product; other blocks run as they are.
 """
 
 from __future__ import annotations
@@ -267,6 +267,23 @@ def _full_blocks(plan, block_kv: int, kv_len, key_lo, key_hi, lo, hi):
     return full_lo, full_hi
 
 
+def _zero_unseen_values(v_tile, j, seen_lo, seen_hi):
+    """Zeroes the rows of block j's V slot whose keys lie outside [seen_lo, seen_hi), in shared
+    memory, where the block holds any. A block masked only by the causal bound of the earlier
+    new tokens (the last block of a full cache with q_len > 1) holds none, since the last token
+    sees all its keys, and its slot is left as it is."""
+    block_kv, head_dim = v_tile.shape
+
+    @pl.when((j * block_kv < seen_lo) | ((j + 1) * block_kv > seen_hi))
+    def _zero():
+        key = plgpu.broadcasted_iota(jnp.int32, (block_kv, head_dim), 0,
+                                     layout=plgpu.Layout.WGMMA) + j * block_kv
+        v = v_tile[...]
+        v_tile[...] = jnp.where((key >= seen_lo) & (key < seen_hi), v, jnp.zeros_like(v))
+        # The product reads the slot through the async proxy.
+        plgpu.commit_smem()
+
+
 def _online_softmax(step, init, *, lo, full_lo, full_hi, n_steps):
     """step(i, carry, masked) over the split's blocks i = 0 .. n_steps - 1 (block lo + i): the
     masked leading edge, the unmasked middle, the masked trailing edge."""
@@ -355,13 +372,7 @@ def _compute_keys_as_m(*, plan, tiles, q_ref, o_ref, lse_ref, q_smem, k_smem, v_
             plgpu.commit_smem()
             plgpu.barrier_wait(v_loaded.at[slot])
             if masked:
-                v_tile = v_smem.at[slot]
-                vkey = plgpu.broadcasted_iota(jnp.int32, (block_kv, head_dim), 0,
-                                              layout=plgpu.Layout.WGMMA) + j * block_kv
-                v = v_tile[...]
-                v_tile[...] = jnp.where((vkey >= seen_lo) & (vkey < seen_hi), v,
-                                        jnp.zeros_like(v))
-                plgpu.commit_smem()
+                _zero_unseen_values(v_smem.at[slot], j, seen_lo, seen_hi)
             acc = accumulate(acc, v_smem.at[slot].T, p_smem.T, interpret=plan.interpret)
             plgpu.barrier_arrive(free.at[slot])
             return acc, m_new, l, *poison
@@ -458,13 +469,7 @@ def _kernel(*refs, plan, tiles: DecodeTiles):
                                   + (kv_len - q_len - plan.window_left))
 
         def zero_unseen_values(j, slot):
-            v_tile = v_smem.at[slot]
-            key = plgpu.broadcasted_iota(jnp.int32, (block_kv, head_dim), 0,
-                                         layout=plgpu.Layout.WGMMA) + j * block_kv
-            v = v_tile[...]
-            v_tile[...] = jnp.where((key >= seen_lo) & (key < seen_hi), v, jnp.zeros_like(v))
-            # The product reads the slot through the async proxy.
-            plgpu.commit_smem()
+            _zero_unseen_values(v_smem.at[slot], j, seen_lo, seen_hi)
 
         def clean_values(j, slot):
             if wgs == 1:

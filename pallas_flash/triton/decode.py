@@ -260,6 +260,34 @@ def partial(plan, q_packed, k_cache, v_cache, kv_lengths, block_table):
     )(*args)
 
 
+def _merge_round(carry, part_lse, part):
+    """The ring's merge against the running max, one round of splits (axis 0 of part_lse and
+    part) into (acc, top, total); a row's statistics broadcast along axis 1 of part (head_dim).
+    Weights are taken against 0 while every split so far is empty, so exp(-inf) gives 0, never
+    NaN."""
+    acc, top, total = carry
+    new_top = jnp.maximum(top, jnp.max(part_lse, axis=0))
+    anchor = jnp.where(new_top == -jnp.inf, 0.0, new_top)
+    old = jnp.exp(top - anchor)
+    weight = jnp.exp(part_lse - anchor)
+    return (acc * old + jnp.sum(part * jnp.expand_dims(weight, 1), axis=0), new_top,
+            total * old + jnp.sum(weight, axis=0))
+
+
+def _merge_finish(acc, top, total):
+    """(O, lse) from the merged (acc, top, total).
+
+    A NaN split lse (a page outside the cache) makes its weight NaN whatever the max made of it,
+    and NaN stays NaN through every later `* old` and `+`: total and acc end NaN. Only a total of
+    exactly 0 is an empty row, so the NaN reaches O and lse (a `total > 0` test would turn it
+    into an empty row's -inf)."""
+    empty = total == 0.0
+    out = acc / jnp.where(empty, 1.0, total)
+    lse = jnp.where(empty, -jnp.inf,
+                    jnp.where(top == -jnp.inf, 0.0, top) + jnp.log(jnp.where(empty, 1.0, total)))
+    return out, lse
+
+
 def _combine_kernel(o_ref, lse_ref, out_ref, out_lse_ref, *, plan, split_block: int,
                     d_pad: int):
     # One packed row per program: its splits' lse and O rows are read split_block at a time,
@@ -269,33 +297,17 @@ def _combine_kernel(o_ref, lse_ref, out_ref, out_lse_ref, *, plan, split_block: 
     all_cols = pl.ds(jnp.int32(0), d_pad)
 
     def add(chunk, carry):
-        # The ring's merge against the running max, a block of splits at a time: weights are
-        # taken against 0 while every split so far is empty, so exp(-inf) gives 0, never NaN.
-        acc, top, total = carry
         first = chunk * split_block
         ok = _positions(first, split_block) < plan.num_splits
         splits = pl.ds(first, split_block)
         part_lse = plgpu.load(lse_ref.at[splits, row], mask=ok, other=-jnp.inf)
         part = plgpu.load(o_ref.at[splits, row, all_cols], mask=ok[:, None] & cols[None, :],
                           other=0.0)
-        new_top = jnp.maximum(top, jnp.max(part_lse))
-        anchor = jnp.where(new_top == -jnp.inf, 0.0, new_top)
-        old = jnp.exp(top - anchor)
-        weight = jnp.exp(part_lse - anchor)
-        return (acc * old + jnp.sum(part * weight[:, None], axis=0), new_top,
-                total * old + jnp.sum(weight))
+        return _merge_round(carry, part_lse, part)
 
     init = (jnp.zeros((d_pad,), jnp.float32), jnp.float32(-jnp.inf), jnp.float32(0.0))
-    acc, top, total = lax.fori_loop(0, pl.cdiv(plan.num_splits, split_block), add, init)
-    # A NaN split lse (a page outside the cache) makes its weight NaN whatever the max made of
-    # it, and NaN stays NaN through every later `* old` and `+`: total and acc end NaN. Only a
-    # total of exactly 0 is an empty row, so the NaN reaches O and lse (a `total > 0` test
-    # would turn it into an empty row's -inf).
-    empty = total == 0.0
-    out = acc / jnp.where(empty, 1.0, total)
+    out, lse = _merge_finish(*lax.fori_loop(0, pl.cdiv(plan.num_splits, split_block), add, init))
     plgpu.store(out_ref.at[all_cols], out.astype(out_ref.dtype), mask=cols)
-    lse = jnp.where(empty, -jnp.inf,
-                    jnp.where(top == -jnp.inf, 0.0, top) + jnp.log(jnp.where(empty, 1.0, total)))
     plgpu.store(out_lse_ref.at[pl.ds(row, 1)], lse[None])
 
 
@@ -313,8 +325,7 @@ def _combine_columns_kernel(o_ref, lse_ref, out_ref, out_lse_ref, *, plan, split
     dim_ok = _positions(c * d_block, d_block) < plan.head_dim
 
     def add(chunk, carry):
-        # As _combine_kernel's merge, one running max per column.
-        acc, top, total = carry
+        # One running max per column.
         first = chunk * split_block
         ok = _positions(first, split_block) < plan.num_splits
         splits = pl.ds(first, split_block)
@@ -323,18 +334,11 @@ def _combine_columns_kernel(o_ref, lse_ref, out_ref, out_lse_ref, *, plan, split
         part = plgpu.load(o_ref.at[splits, dims, cols],
                           mask=ok[:, None, None] & dim_ok[None, :, None] & col_ok[None, None, :],
                           other=0.0)
-        new_top = jnp.maximum(top, jnp.max(part_lse, axis=0))
-        anchor = jnp.where(new_top == -jnp.inf, 0.0, new_top)
-        old = jnp.exp(top - anchor)
-        weight = jnp.exp(part_lse - anchor[None, :])
-        return (acc * old[None, :] + jnp.sum(part * weight[:, None, :], axis=0), new_top,
-                total * old + jnp.sum(weight, axis=0))
+        return _merge_round(carry, part_lse, part)
 
     init = (jnp.zeros((d_block, g_pad), jnp.float32), jnp.full((g_pad,), -jnp.inf, jnp.float32),
             jnp.zeros((g_pad,), jnp.float32))
-    acc, top, total = lax.fori_loop(0, pl.cdiv(plan.num_splits, split_block), add, init)
-    empty = total == 0.0   # NaN stays NaN, as in _combine_kernel
-    out = acc / jnp.where(empty, 1.0, total)[None, :]
+    out, lse = _merge_finish(*lax.fori_loop(0, pl.cdiv(plan.num_splits, split_block), add, init))
     # Row t * group + j is query head h * group + j of token t (the out block is token t's).
     heads = pl.ds(lax.div(i, jnp.int32(plan.q_len)) * group, g_pad)
     plgpu.store(out_ref.at[heads, dims], out.T.astype(out_ref.dtype),
@@ -342,8 +346,6 @@ def _combine_columns_kernel(o_ref, lse_ref, out_ref, out_lse_ref, *, plan, split
 
     @pl.when(c == 0)
     def _lse():
-        lse = jnp.where(empty, -jnp.inf, jnp.where(top == -jnp.inf, 0.0, top)
-                        + jnp.log(jnp.where(empty, 1.0, total)))
         plgpu.store(out_lse_ref.at[cols], lse, mask=col_ok)
 
 
