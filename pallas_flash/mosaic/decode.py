@@ -366,7 +366,10 @@ def _compute_keys_as_m(*, plan, tiles, q_ref, o_ref, lse_ref, q_smem, k_smem, v_
             m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
             alpha = jnp.exp2((m - m_safe) * c)
             p = jnp.exp2(s * c - _bcast_cols(m_safe * c, s.shape))
-            l = l * alpha + jnp.sum(p, axis=0)
+            # The row sums stay per element until the loop ends: a sum down a column crosses
+            # the warpgroup's four warps (through shared memory and a barrier), and the max
+            # above is the only such reduction a block needs.
+            l = l * _bcast_cols(alpha, l.shape) + p
             acc = acc * _bcast_cols(alpha, acc.shape)
             p_smem.T[...] = p.astype(dtype)
             plgpu.commit_smem()
@@ -380,12 +383,12 @@ def _compute_keys_as_m(*, plan, tiles, q_ref, o_ref, lse_ref, q_smem, k_smem, v_
         acc = plgpu.layout_cast(jnp.zeros((head_dim, n), jnp.float32), plgpu.Layout.WGMMA)
         m = plgpu.layout_cast(jnp.full((n,), -jnp.inf, jnp.float32),
                               plgpu.Layout.WGMMA.reduce(0))
-        l = plgpu.layout_cast(jnp.zeros((n,), jnp.float32), plgpu.Layout.WGMMA.reduce(0))
+        l = plgpu.layout_cast(jnp.zeros((block_kv, n), jnp.float32), plgpu.Layout.WGMMA)
         poison = () if page_flag is None else (jnp.float32(0.0),)
         plgpu.barrier_wait(q_loaded.at[0])
         acc, m, l, *poison = _online_softmax(step, (acc, m, l, *poison), lo=lo, full_lo=full_lo,
                                              full_hi=full_hi, n_steps=n_steps)
-        out, lse = _finish(acc, m, l, _bcast_cols, logit_scale)
+        out, lse = _finish(acc, m, jnp.sum(l, axis=0), _bcast_cols, logit_scale)
         if poison:
             out, lse = _poisoned(out, lse, poison[0])
         lse_smem.at[0][...] = lse
