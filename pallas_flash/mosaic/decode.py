@@ -52,8 +52,8 @@ Unseen rows: a masked block may hold cache rows no query of the CTA sees (stale 
 kv_length in a recycled cache, the rest of a clamped page, rows before the window), whose
 contents are arbitrary. Their K only reaches masked logits, which a select replaces by -inf.
 Their V would reach every row through the P V product, where P = 0 does not help (0 * NaN is
-NaN on the tensor cores), so in a masked block that holds any (`_zero_unseen_values`) those V rows
-are set to 0 in shared memory before the product; other blocks run as they are.
+NaN on the tensor cores), so in a masked block that holds any (`_zero_unseen_values`) those
+V rows are set to 0 in shared memory before the product; other blocks run as they are.
 """
 
 from __future__ import annotations
