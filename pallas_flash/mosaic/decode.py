@@ -109,9 +109,12 @@ class DecodeTiles:
         rows = self.compute_wgs * WG_ROWS
         kv = 2 * self.stages * self.block_kv * head_dim * itemsize
         if self.keys_as_m:
-            # Q and P (at most 64 columns), O^T and lse in float32.
+            # Q and P (at most 64 columns), O^T and lse in float32, and the reductions'
+            # scratch beyond the 2 KB that SMEM_RESERVED holds.
             return (kv + WG_ROWS * (head_dim + self.block_kv) * itemsize
-                    + WG_ROWS * head_dim * 4 + WG_ROWS * 4 + SMEM_RESERVED)
+                    + WG_ROWS * head_dim * 4 + WG_ROWS * 4
+                    + reduction_scratch_bytes(WG_ROWS) - _DEFAULT_REDUCTION_SCRATCH
+                    + SMEM_RESERVED)
         # Q in the input dtype; O and lse staged in float32 for their TMA stores.
         own = rows * head_dim * itemsize + rows * _o_cols(head_dim) * 4 + rows * 4
         return kv + own + SMEM_RESERVED
@@ -136,6 +139,19 @@ def _o_cols(head_dim: int) -> int:
     return next(w for w in (_O_COLS, 32, 16) if head_dim % w == 0)
 # Half an SM's shared memory (the hardware keeps 1 KB per CTA): the tiles' size target.
 _HALF_SM = (SMEM_LIMIT - 1024) // 2
+
+
+# Mosaic GPU's default shared memory for cross-warp reductions (plgpu.CompilerParams).
+_DEFAULT_REDUCTION_SCRATCH = 2048
+
+
+def reduction_scratch_bytes(n: int) -> int:
+    """Shared memory for the keys-as-M softmax's reductions down the columns of a
+    [block_kv, n] tile in one round. Mosaic GPU reduces across a warpgroup's four warps through
+    this scratch, 1 KB for each 8 columns (a register pair of every thread), and in as many
+    rounds, each closed by two barriers, as the scratch needs to take them all; with the
+    default 2 KB, n = 32 (four new tokens at GQA 8) took two rounds a block."""
+    return max(_DEFAULT_REDUCTION_SCRATCH, 128 * n)
 
 
 def keys_n(rows: int) -> int:
@@ -742,7 +758,8 @@ def _partial_keys_as_m(plan, tiles, q_packed, k_cache, v_cache, kv_lengths, bloc
         grid_names=("cell", "head", "batch"),
         num_threads=2,
         thread_name="wg",
-        compiler_params=plgpu.CompilerParams(approx_math=True),
+        compiler_params=plgpu.CompilerParams(approx_math=True,
+                                             reduction_scratch_bytes=reduction_scratch_bytes(n)),
         interpret=interpret_params(plan.interpret, 2),
         kernel_name=KERNEL_NAME,
     )
