@@ -748,6 +748,15 @@ def _partial_keys_as_m(plan, tiles, q_packed, k_cache, v_cache, kv_lengths, bloc
         plgpu.SMEM((n, tiles.block_kv), dtype),
     ]
     cells = batch * kv_heads * splits
+    # Pallas puts a warpgroup barrier before and after every store to shared memory; with a
+    # contiguous cache this kernel needs neither, two barriers a block fewer. P^T's store is
+    # followed by commit_smem (a fence and a barrier) before the product reads it, and comes
+    # after the block's column max, whose cross-warp reduction holds barriers that every warp
+    # reaches only after its previous product finished reading P^T. A masked block's V rewrite
+    # stores, per element, a value of that element alone (itself or zero), so no interleaving
+    # of the threads' loads and stores changes it. A paged cache keeps the barriers: there the
+    # copy warpgroup's threads store each slot's page flag, which the barrier orders before
+    # the copy's arrival publishes it.
     out_type = (jax.ShapeDtypeStruct((cells, head_dim, n), jnp.float32),
                 jax.ShapeDtypeStruct((cells, n), jnp.float32))
     call = plgpu.kernel(
@@ -758,8 +767,9 @@ def _partial_keys_as_m(plan, tiles, q_packed, k_cache, v_cache, kv_lengths, bloc
         grid_names=("cell", "head", "batch"),
         num_threads=2,
         thread_name="wg",
-        compiler_params=plgpu.CompilerParams(approx_math=True,
-                                             reduction_scratch_bytes=reduction_scratch_bytes(n)),
+        compiler_params=plgpu.CompilerParams(
+            approx_math=True, reduction_scratch_bytes=reduction_scratch_bytes(n),
+            unsafe_no_auto_barriers=not plan.paged),
         interpret=interpret_params(plan.interpret, 2),
         kernel_name=KERNEL_NAME,
     )
