@@ -25,7 +25,9 @@
 # (default: CPU cores less two) spread over the GPUs, TEST_LIMIT seconds per test (240),
 # MULTI_LIMIT for the multi-device files (300); it writes each test phase's seconds to
 # $OUT/test_times.tsv. profile: KERNEL, a regex of the kernel names to
-# profile (default: every kernel), COUNT kernels profiled (4), METRICS more ncu metrics.
+# profile (default: every kernel), COUNT kernels profiled (4), METRICS more ncu metrics,
+# SOURCE=1 the per-instruction counters too (benchmarks/sass_summary.py; LOOP_LINES of the
+# hottest loop printed).
 set -u
 
 # Test files that need several devices: run apart, with every GPU visible, when there are two
@@ -88,10 +90,27 @@ profile() {
   # The clocks stay as the driver sets them, as in every other measurement. XLA's gemm
   # autotuning is off: under ncu its many trial kernels are slow to replay and have crashed the
   # process; the kernels profiled here are ours.
+  # SOURCE=1 adds the per-instruction counters: the report is kept, its source page goes to
+  # $OUT/source.csv.gz and benchmarks/sass_summary.py's summary of it to the log.
+  local report=() rep_dir=""
+  if [ -n "${SOURCE:-}" ]; then
+    rep_dir=$(mktemp -d)
+    report=(--section SourceCounters --section InstructionStats -o "$rep_dir/profile")
+  fi
   XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_autotune_level=0" \
   run_logged profile "${LIMIT:-590}" ncu --clock-control none -k "regex:${KERNEL:-.}" \
     -c "${COUNT:-4}" --section SpeedOfLight --section WarpStateStats --section SchedulerStats \
-    --metrics "$metrics" "$@"
+    --metrics "$metrics" ${report[@]+"${report[@]}"} "$@"
+  local status=$?
+  if [ -n "$rep_dir" ] && [ -f "$rep_dir/profile.ncu-rep" ]; then
+    {
+      ncu -i "$rep_dir/profile.ncu-rep" --page details
+      ncu -i "$rep_dir/profile.ncu-rep" --page source --csv --print-source sass \
+        | gzip > "$OUT/source.csv.gz"
+      python3 benchmarks/sass_summary.py "$OUT/source.csv.gz" --loop-lines "${LOOP_LINES:-0}"
+    } >> "$OUT/profile.log" 2>&1
+  fi
+  return $status
 }
 
 huge() {
