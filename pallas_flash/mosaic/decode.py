@@ -141,16 +141,16 @@ def _o_cols(head_dim: int) -> int:
 _HALF_SM = (SMEM_LIMIT - 1024) // 2
 
 
-# Mosaic GPU's default shared memory for cross-warp reductions (plgpu.CompilerParams).
-_DEFAULT_REDUCTION_SCRATCH = 2048
+# Mosaic GPU's default shared memory for cross-warp reductions.
+_DEFAULT_REDUCTION_SCRATCH = plgpu.CompilerParams().reduction_scratch_bytes
 
 
 def reduction_scratch_bytes(n: int) -> int:
     """Shared memory for the keys-as-M softmax's reductions down the columns of a
     [block_kv, n] tile in one round. Mosaic GPU reduces across a warpgroup's four warps through
     this scratch, 1 KB for each 8 columns (a register pair of every thread), and in as many
-    rounds, each closed by two barriers, as the scratch needs to take them all; with the
-    default 2 KB, n = 32 (four new tokens at GQA 8) took two rounds a block."""
+    rounds, each closed by two barriers, as the scratch needs to take them all: the default
+    (2 KB) takes two rounds a block at n = 32 (four new tokens at GQA 8)."""
     return max(_DEFAULT_REDUCTION_SCRATCH, 128 * n)
 
 
