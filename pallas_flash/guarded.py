@@ -18,26 +18,22 @@ and give the exact per-row NaNs.
 The forward checks the Mosaic forward's own result: a leak ends in O, and the kernel marks
 every row whose O holds an inf or NaN with r = NaN (mosaic/forward.py), so the check reads r,
 one float a row, instead of V (head_dim times as many values, and V's read is a pass of its
-own). A row with a non-finite q or k gets r = NaN too and is redone by Triton, which gives the
-same NaNs; no healthy row has r = NaN (r is log2 of a positive sum, or -inf for a row that
-sees no key). Rows are independent in the forward, so the check is made per query tile, by
-the Triton program of that tile itself: it reads its rows' r and returns at once when none is
-NaN (triton.forward.MARKED_ROWS). The backward's results are not independent by row (a
-non-finite q row reaches dK and dV of every key, and the fused kernel's dQ is a sum across
-CTAs), so it checks the whole call: the Mosaic backward kernels mark every key whose dK or dV
-holds an inf or NaN and (two-kernel path) every query whose dQ does, or (fused kernel) every
-key whose K row does, which every non-finite operand the kernels read reaches, hidden or not
-(mosaic/backward.py, `backward_checked`); the check reduces those marks, one float a row, to
-one flag, instead of reading q, k, v and dO.
+own). A row with a non-finite q or k gets r = NaN too and also sends the call to Triton, which
+gives the same NaNs; no healthy row has r = NaN (r is log2 of a positive sum, or -inf for a
+row that sees no key). The backward does the same: the Mosaic backward kernels mark every key
+whose dK or dV holds an inf or NaN and (two-kernel path) every query whose dQ does, or (fused
+kernel) every key whose K row does, which every non-finite operand the kernels read reaches,
+hidden or not (mosaic/backward.py, `backward_checked`); the check reads those marks, one float
+a row, instead of q, k, v and dO.
 
-Both kernels are launched, the Triton ones predicated (triton.common.predicated): when the
-check passes their programs return at once, and their outputs, aliased to the Mosaic
+Both kernels are launched, the Triton one predicated on the flag (triton.common.predicated):
+when the check passes its programs return at once, and its outputs, aliased to the Mosaic
 kernels', keep theirs. No branch, so no host round trip for a predicate, and the Mosaic
 kernels launch at the top level of the program (a `lax.cond` between the two costs more,
-docs/tuning.md). A failed backward check pays for both backward kernels; a failed forward
-tile, for its own Triton program. Under jax.vmap one backward flag covers the whole vmapped
-batch. The benchmark shows the cost as the gap between its `pallas_flash` (auto) and
-`pallas_flash_mosaic` (forced, unchecked) rows. ``backend="mosaic"`` skips the check.
+docs/tuning.md). A failed check pays for both kernels. Under jax.vmap one flag covers the
+whole vmapped batch. The benchmark shows the cost as the gap between its `pallas_flash`
+(auto) and `pallas_flash_mosaic` (forced, unchecked) rows. ``backend="mosaic"`` skips the
+check.
 """
 
 from __future__ import annotations
@@ -52,7 +48,6 @@ from pallas_flash.spec import AttentionSpec
 from pallas_flash.stats import output_dot
 from pallas_flash.triton import backward as triton_backward
 from pallas_flash.triton import forward as triton_forward
-from pallas_flash.triton.forward import MARKED_ROWS
 
 __all__ = ["backward", "forward"]
 
@@ -84,18 +79,17 @@ def _predicated(check, fast, safe):
 
 
 def forward(spec: AttentionSpec, q, k, v, q_ids=None, kv_ids=None, sinks=None):
-    """(O, RowStats): the Mosaic forward's, except in the query tiles where a row of it has
-    r = NaN, which the Triton forward redoes.
+    """(O, RowStats): the Mosaic forward's when no row of it has r = NaN, else the Triton
+    forward's.
 
     The Mosaic forward takes its own default tiles (clusters of two where they pay,
-    `mosaic.forward.default_forward_config`): it launches outside any branch. Rows are
-    independent in the forward, so each Triton program decides from its own rows' r and no
-    flag for the call is formed (no reduction to launch; under vmap each example's tiles
-    decide for themselves).
+    `mosaic.forward.default_forward_config`): it launches outside any branch.
     """
-    into = mosaic_forward.forward(spec, q, k, v, q_ids, kv_ids, sinks)
-    return triton_forward.forward(spec, q, k, v, q_ids, kv_ids, sinks,
-                                  skip=MARKED_ROWS, into=into)
+    return _predicated(
+        lambda into, *_: ~jnp.isnan(into[1].r).any(),
+        lambda *a: mosaic_forward.forward(spec, *a),
+        lambda skip, into, *a: triton_forward.forward(spec, *a, skip=skip, into=into),
+    )(q, k, v, q_ids, kv_ids, sinks)
 
 
 def backward(spec: AttentionSpec, q, k, v, out, stats, do, dlse, q_ids=None, kv_ids=None, *,

@@ -19,7 +19,6 @@ import pallas_flash as pf
 from pallas_flash import attention, guarded
 from pallas_flash.mosaic import forward as mosaic_forward
 from pallas_flash.triton import backward as triton_backward
-from pallas_flash.triton import common as triton_common
 from pallas_flash.triton import forward as triton_forward
 from backends import IS_HOPPER, ON_GPU
 from helpers import (TOLERANCE, all_eqns, assert_close, kernel_names, make_spec, random_inputs,
@@ -88,8 +87,8 @@ def test_auto_is_told_whether_the_caller_chose_tiles(monkeypatch):
 
 def test_guarded_forward_runs_mosaic_default_then_predicated_triton(monkeypatch):
     # guarded.forward: the Mosaic forward with its own default tiles (clusters of two where
-    # they pay), then the Triton forward launched to redo the tiles with a marked row, with the
-    # Mosaic result to keep.
+    # they pay), then the Triton forward launched with the finiteness flag and the Mosaic
+    # result to keep.
     seen = []
 
     def mosaic_spy(spec, q, k, v, q_ids=None, kv_ids=None, sinks=None, *, config=None):
@@ -98,7 +97,7 @@ def test_guarded_forward_runs_mosaic_default_then_predicated_triton(monkeypatch)
 
     def triton_spy(spec, q, k, v, q_ids=None, kv_ids=None, sinks=None, *, skip=None,
                    into=None):
-        seen.append(("triton", skip, jax.tree.map(jnp.shape, into)))
+        seen.append(("triton", skip.dtype, skip.shape, jax.tree.map(jnp.shape, into)))
         return triton_forward.forward(spec, q, k, v, q_ids, kv_ids, sinks, skip=skip, into=into)
 
     monkeypatch.setattr(guarded, "mosaic_forward", types.SimpleNamespace(forward=mosaic_spy))
@@ -107,7 +106,7 @@ def test_guarded_forward_runs_mosaic_default_then_predicated_triton(monkeypatch)
     spec = make_spec(128, 128, 64, jnp.bfloat16, interpret=False)
     jax.eval_shape(lambda q, k, v: guarded.forward(spec, q, k, v), q, k, v)
     out_shapes = ((1, 128, 2, 64), ((1, 2, 128), (1, 2, 128)))
-    assert seen == [("mosaic", None), ("triton", triton_forward.MARKED_ROWS, out_shapes)], seen
+    assert seen == [("mosaic", None), ("triton", jnp.dtype(bool), (), out_shapes)], seen
 
 
 @pytest.mark.parametrize("skip", [True, False])
@@ -142,37 +141,6 @@ def test_predicated_triton_backward_keeps_into_or_overwrites_all(skip):
         jnp.bool_(skip), q, k, v, out, stats, do, dlse)
     for g, w in zip(got, into if skip else want):
         np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
-
-
-def test_predicated_triton_forward_redoes_only_the_tiles_with_a_marked_row():
-    # skip=MARKED_ROWS: a program runs only if one of its query tile's rows has r = NaN in
-    # `into`; its tile is then the kernel's own, every other tile is `into` bit for bit. Marks
-    # in the first tile and in the partial last one (200 rows), in different heads.
-    q, k, v, _ = random_inputs(jax.random.PRNGKey(98), 1, 200, 200, 2, 1, 64, jnp.bfloat16)
-    spec = make_spec(200, 200, 64, jnp.bfloat16, causal=True)
-    block_q = triton_common.fit_block(spec.config.fwd.block_q, 200)
-    assert 200 % block_q, "the last tile must be partial"
-    want_out, want_stats = triton_forward.forward(spec, q, k, v)
-    r_into = jnp.full_like(want_stats.r, 5.0).at[0, 0, 3].set(jnp.nan)
-    r_into = r_into.at[0, 1, 199].set(jnp.nan)
-    into = (jnp.full_like(want_out, 7.0),
-            type(want_stats)(jnp.full_like(want_stats.m, 3.0), r_into))
-    got_out, got_stats = jax.jit(lambda q, k, v, i: triton_forward.forward(
-        spec, q, k, v, skip=triton_forward.MARKED_ROWS, into=i))(q, k, v, into)
-    tile = np.arange(200) // block_q
-    redone = np.zeros((2, 200), bool)                   # [head, row]
-    redone[0] = tile == 0
-    redone[1] = tile == tile[-1]
-    pairs = [(got_out.transpose(0, 2, 1, 3), want_out.transpose(0, 2, 1, 3),
-              into[0].transpose(0, 2, 1, 3)),
-             (got_stats.m, want_stats.m, into[1].m), (got_stats.r, want_stats.r, into[1].r)]
-    for got, want, kept in pairs:
-        pick = redone.reshape((1, 2, 200) + (1,) * (got.ndim - 3))
-        np.testing.assert_array_equal(np.asarray(got, np.float32),
-                                      np.where(pick, np.asarray(want, np.float32),
-                                               np.asarray(kept, np.float32)))
-    with pytest.raises(ValueError, match="skip is a flag"):
-        triton_forward.forward(spec, q, k, v, skip="rows", into=into)
 
 
 def test_predicated_triton_forward_checks_its_arguments():
@@ -283,11 +251,10 @@ def test_guarded_backend_confines_nonfinite_inputs_like_triton(which, mosaic_ker
 
 
 @needs_mosaic
-def test_guarded_backend_under_vmap_takes_one_backward_flag(mosaic_kernels):
+def test_guarded_backend_under_vmap_takes_one_flag(mosaic_kernels):
     # Under jax.vmap a per-example flag would be batched into the predicated Triton launches;
-    # the guard's vmap rule keeps one backward flag for the whole vmapped batch (the forward
-    # takes none: its tiles decide from their own rows' r). With a NaN in one example the
-    # backward of the whole batch takes Triton's kernels, so every example equals Triton's.
+    # the guard's vmap rule keeps one flag for the whole vmapped batch. With a NaN
+    # in one example the whole batch takes Triton's kernels, so every example equals Triton's.
     stand_in = mosaic_kernels
     q, k, v, do = random_inputs(jax.random.PRNGKey(92), 2, 128, 128, 4, 2, 64, jnp.bfloat16)
     spec = make_spec(128, 128, 64, jnp.bfloat16, causal=True)
@@ -303,15 +270,14 @@ def test_guarded_backend_under_vmap_takes_one_backward_flag(mosaic_kernels):
         return jax.vmap(one)
 
     jaxpr = jax.make_jaxpr(grads("guarded"))(q, k, v, do).jaxpr
-    # Each predicated Triton backward launch reads one flag for the batch, not one per example
-    # (a batched flag would be [2, 1]); the forward reads none.
+    # Each predicated Triton launch reads one flag for the batch, not one per example (a
+    # batched flag would be [2, 1]).
     flags = {eqn.params["name"]: var.aval.shape for eqn in all_eqns(jaxpr)
              if eqn.primitive.name == "pallas_call" and eqn.params["name"].startswith(
                  "pallas_flash_") and "mosaic" not in eqn.params["name"]
              for var in eqn.invars if var.aval.dtype == jnp.int32}
-    assert flags == {"pallas_flash_bwd_dkdv": (1,), "pallas_flash_bwd_dq": (1,)}, flags
-    assert "pallas_flash_fwd" in {eqn.params["name"] for eqn in all_eqns(jaxpr)
-                                  if eqn.primitive.name == "pallas_call"}
+    assert flags == {"pallas_flash_fwd": (1,), "pallas_flash_bwd_dkdv": (1,),
+                     "pallas_flash_bwd_dq": (1,)}, flags
     for got, want in zip(grads("guarded")(q, k, v, do), grads("mosaic")(q, k, v, do)):
         np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
     if stand_in is not None:

@@ -188,21 +188,13 @@ def three_phase_loop(bounds, body, carry):
     return jax.lax.fori_loop(full_hi, hi, lambda j, c: body(j, c, True), carry)
 
 
-def predicated(kernel, in_specs, args, out_specs, out_shape, skip, into, *, runs=None):
+def predicated(kernel, in_specs, args, out_specs, out_shape, skip, into):
     """(kernel, in_specs, args, aliases) for a pallas_call whose programs return at once when
     `skip` is set, its outputs aliasing `into` (guarded.py: no branch). `kernel` takes `tile=`,
-    read outside the branch (interpret mode substitutes program_id only outside control flow).
-
-    runs: in place of the flag, a function of (tile, *output refs) that says whether this
-    program must run, read from the values its outputs hold when it starts: `into`'s, through
-    the aliasing. A program reads and then writes only its own tile's entries, so no program
-    sees another's result.
-    """
-    if runs is not None and skip is not None:
-        raise ValueError("skip and runs are alternatives: give one")
-    if (skip is None and runs is None) != (into is None):
-        raise ValueError("skip and into are given together or not at all (runs counts as skip)")
-    if into is None:
+    read outside the branch (interpret mode substitutes program_id only outside control flow)."""
+    if (skip is None) != (into is None):
+        raise ValueError("skip and into are given together or not at all")
+    if skip is None:
         return kernel, in_specs, args, {}
     into = list(into)
     for x, want in zip(into, out_shape, strict=True):
@@ -210,16 +202,6 @@ def predicated(kernel, in_specs, args, out_specs, out_shape, skip, into, *, runs
             raise ValueError(f"into holds {x.dtype}{list(x.shape)} where the kernel gives "
                              f"{want.dtype}{list(want.shape)}")
     n_out = len(out_shape)
-
-    if runs is not None:
-        def run(*refs):
-            out_refs = refs[-n_out:]
-            tile = pl.program_id(0)
-            pl.when(runs(tile, *out_refs))(
-                lambda: kernel(*refs[:-2 * n_out], *out_refs, tile=tile))
-
-        aliases = {len(args) + i: i for i in range(n_out)}
-        return run, [*in_specs, *out_specs], [*args, *into], aliases
 
     def run(*refs):
         skip_ref, kernel_refs = refs[-2 * n_out - 1], refs[:-2 * n_out - 1] + refs[-n_out:]

@@ -31,7 +31,7 @@ from pallas_flash.spec import AttentionSpec
 from pallas_flash.stats import RowStats, sink_epilogue
 from pallas_flash.triton import common
 
-__all__ = ["MARKED_ROWS", "forward"]
+__all__ = ["forward"]
 
 
 def _forward_kernel(*refs, spec: AttentionSpec, block_q: int, block_kv: int, head_dim: int,
@@ -104,20 +104,6 @@ def _forward_kernel(*refs, spec: AttentionSpec, block_q: int, block_kv: int, hea
     plgpu.store(r_ref.at[index], r.astype(r_ref.dtype), mask=ok)
 
 
-# `skip` for a launch that redoes only the query tiles holding a row marked r = NaN.
-MARKED_ROWS = "marked_rows"
-
-
-def _has_marked_row(tile, out_ref, m_ref, r_ref, *, block_q: int, seq_q: int):
-    """Whether a row of query tile `tile` has r = NaN in r_ref, read before the tile is written
-    (no healthy row has r = NaN: r is log2 of a positive sum, or -inf for a row that sees no key)."""
-    del out_ref, m_ref
-    start = tile * block_q
-    ok = start + jnp.arange(block_q) < seq_q
-    r = plgpu.load(r_ref.at[pl.ds(start, block_q)], mask=ok, other=0.0)
-    return jnp.sum(jnp.isnan(r).astype(jnp.int32)) > 0
-
-
 def forward(spec: AttentionSpec, q, k, v, q_ids=None, kv_ids=None, sinks=None, *, skip=None,
             into=None):
     """O [batch, seq_q, q_heads, head_dim_v] (V's head_dim, which may differ from Q/K's) and
@@ -125,9 +111,7 @@ def forward(spec: AttentionSpec, q, k, v, q_ids=None, kv_ids=None, sinks=None, *
 
     q_ids/kv_ids: int32 [batch, seq] segment ids (masking.py), exactly when spec.has_segments.
     sinks: None, or float [q_heads] sink logits folded into the softmax (sinks.py).
-    skip, into: a predicated launch (common.predicated), both or neither. skip is a flag for
-    the whole call, or MARKED_ROWS: each program runs only if one of its rows has r = NaN in
-    `into` (guarded.py).
+    skip, into: a predicated launch (common.predicated), both or neither.
     """
     batch, seq_q, q_heads, head_dim = q.shape
     seq_kv, kv_heads, head_dim_v = k.shape[1], k.shape[2], v.shape[3]
@@ -165,13 +149,8 @@ def forward(spec: AttentionSpec, q, k, v, q_ids=None, kv_ids=None, sinks=None, *
                  jax.ShapeDtypeStruct((batch, q_heads, seq_q), stats_dtype),
                  jax.ShapeDtypeStruct((batch, q_heads, seq_q), stats_dtype)]
     into = None if into is None else (into[0], into[1].m, into[1].r)
-    runs = None
-    if isinstance(skip, str):
-        if skip != MARKED_ROWS:
-            raise ValueError(f"skip is a flag or {MARKED_ROWS!r}, not {skip!r}")
-        skip, runs = None, functools.partial(_has_marked_row, block_q=block_q, seq_q=seq_q)
     kernel, in_specs, args, aliases = common.predicated(kernel, in_specs, args, out_specs,
-                                                        out_shape, skip, into, runs=runs)
+                                                        out_shape, skip, into)
     out, m, r = pl.pallas_call(
         kernel,
         grid=(n_q_blocks, batch, q_heads),
